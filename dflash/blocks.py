@@ -1,0 +1,168 @@
+"""Block construction: anchors, packed training blocks, their attention rule, and the drafter
+forward for many blocks at once (training, teacher-forced evaluation) or one block (decoding).
+
+One block at anchor p (B = block size): input tokens [x_p, M, ..., M] at positions
+p..p+B-1, context = target features of positions < p, slot k predicts x_{p+k}. Packing puts
+all blocks of a sequence after its full context in one forward; the attention rule below lets
+block b see context positions < anchor_b and its own B tokens, never another block, which is
+exactly what the one-block forward sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask
+except ImportError:  # pragma: no cover
+    create_block_mask = None
+
+
+def eligible_anchors(loss_mask: torch.Tensor, region: str = "response") -> torch.Tensor:
+    """Positions p that may anchor a block: p and p+1 in the response (region=all: any p < L-1).
+
+    loss_mask: [L] bool. Returns sorted positions [n].
+    """
+    if region == "all":
+        return torch.arange(max(loss_mask.shape[0] - 1, 0))
+    ok = loss_mask[:-1] & loss_mask[1:]
+    return ok.nonzero().flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to `num_anchors` distinct eligible anchors, sorted; all of them when fewer exist."""
+    pos = eligible_anchors(loss_mask)
+    if pos.numel() > num_anchors:
+        pick = torch.randperm(pos.numel(), generator=generator)[:num_anchors]
+        pos = pos[pick].sort().values
+    return pos
+
+
+@dataclass
+class PackedBlocks:
+    """Many blocks of a padded batch of sequences, ready for one drafter forward.
+
+    anchors/valid: [b, n]; input_ids: [b, n*B]; position_ids: [b, L + n*B] (context then
+    blocks); labels/label_mask: [b, n, B] (slot 0 never counts); ctx_len: padded L.
+    """
+
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    label_mask: torch.Tensor
+    ctx_len: int
+    block_size: int
+
+    def to(self, device) -> PackedBlocks:
+        moved = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(self).items()}
+        return PackedBlocks(**moved)
+
+
+def pack_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: list[torch.Tensor],
+    block_size: int,
+    mask_token_id: int,
+) -> PackedBlocks:
+    """Build packed blocks for a right-padded batch.
+
+    input_ids/loss_mask: [b, L]; lengths: [b]; anchors: per sequence, sorted positions.
+    Labels at slot k are x_{p+k}; they count only inside the sequence and the response.
+    """
+    b, L = input_ids.shape
+    n = max(1, max((a.numel() for a in anchors), default=1))
+    anchor = torch.zeros(b, n, dtype=torch.long)
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        anchor[i, : a.numel()] = a
+        valid[i, : a.numel()] = True
+    slots = torch.arange(block_size)
+    pos = anchor[:, :, None] + slots  # [b, n, B]
+    inside = (pos < lengths[:, None, None]) & valid[:, :, None]
+    gather = pos.clamp(max=L - 1)
+    labels = torch.gather(input_ids, 1, gather.view(b, -1)).view(b, n, block_size)
+    in_response = torch.gather(loss_mask, 1, gather.view(b, -1)).view(b, n, block_size)
+    label_mask = inside & in_response.bool()
+    label_mask[:, :, 0] = False
+    block_in = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype)
+    block_in[:, :, 0] = torch.gather(input_ids, 1, anchor)
+    position_ids = torch.cat([torch.arange(L).expand(b, L), pos.view(b, -1)], dim=1)
+    return PackedBlocks(anchor, valid, block_in.view(b, -1), position_ids, labels, label_mask, L, block_size)
+
+
+def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None):
+    """The packed attention rule as a flex-attention mask_mod(b, h, q_idx, kv_idx) -> bool.
+
+    Query q_idx belongs to block q_idx // B (anchor a, position a + q_idx % B). Key kv_idx < ctx_len
+    is context position kv_idx, visible when kv_idx < a; other keys are block tokens, visible only
+    within the query's own block. Sliding layers also drop keys `window` or more positions away.
+    The dense SDPA mask is this same function evaluated on a broadcast grid.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        anchor = anchors[b, blk]
+        is_ctx = kv_idx < ctx_len
+        visible = (is_ctx & (kv_idx < anchor)) | (~is_ctx & ((kv_idx - ctx_len) // block_size == blk))
+        if window is not None:  # by position, on both sides, as in one-block inference
+            k_pos = torch.where(is_ctx, kv_idx, anchor + (kv_idx - ctx_len) % block_size)
+            visible = visible & ((anchor + q_idx % block_size - k_pos).abs() < window)
+        return visible
+
+    return mask_mod
+
+
+def packed_attention_masks(blocks: PackedBlocks, layer_types: list[str], window: int | None,
+                           backend: str) -> dict:
+    """Per-layer-type masks for the packed forward: dense bool [b, 1, q, k] (sdpa) or BlockMask (flex)."""
+    b, n = blocks.anchors.shape
+    q_len = n * blocks.block_size
+    kv_len = blocks.ctx_len + q_len
+    masks = {}
+    for kind in sorted(set(layer_types)):
+        mod = make_mask_mod(blocks.anchors, blocks.ctx_len, blocks.block_size,
+                            window if kind == "sliding_attention" else None)
+        if backend == "flex":
+            masks[kind] = create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=kv_len,
+                                            device=blocks.anchors.device)
+        else:
+            dev = blocks.anchors.device
+            masks[kind] = mod(torch.arange(b, device=dev)[:, None, None, None], 0,
+                              torch.arange(q_len, device=dev)[None, None, :, None],
+                              torch.arange(kv_len, device=dev)[None, None, None, :])
+    return masks
+
+
+def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBlocks,
+                 backend: str = "sdpa") -> torch.Tensor:
+    """Drafter hidden states for every packed block: [b, n, B, H].
+
+    features: [b, L, n_layers * H] (already noised if noise is on).
+    """
+    masks = packed_attention_masks(blocks, drafter.layer_types, drafter.config.sliding_window, backend)
+    noise = embed_tokens(blocks.input_ids).to(features.dtype)
+    hidden = drafter(noise, features, blocks.position_ids, attention_mask=masks)
+    b, n = blocks.anchors.shape
+    return hidden.view(b, n, blocks.block_size, -1)
+
+
+def draft_block(drafter, embed_tokens, features: torch.Tensor, anchor_token: torch.Tensor, anchor: int,
+                cache=None) -> torch.Tensor:
+    """Drafter hidden states for one block at `anchor` (inference): [b, B, H].
+
+    features: [b, c, n_layers * H], the context positions not yet in `cache` (all positions
+    < anchor when there is no cache). anchor_token: [b] the last committed token x_p.
+    """
+    b, c = features.shape[:2]
+    size = drafter.block_size
+    tokens = torch.full((b, size), drafter.mask_token_id, dtype=torch.long, device=features.device)
+    tokens[:, 0] = anchor_token
+    start = anchor - c
+    positions = torch.arange(start, anchor + size, device=features.device).expand(b, -1)
+    return drafter(embed_tokens(tokens).to(features.dtype), features, positions, cache=cache)

@@ -1,0 +1,62 @@
+"""Decay-weighted cross-entropy over block slots, chunked over rows so the full
+[blocks x B x vocab] logits never exist at once (forward or backward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] weights: slot 0 (the given token) 0, slot k >= 1 exp(-(k-1)/gamma)."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def _chunk_ce(hidden, weight, labels, row_weight):
+    logits = F.linear(hidden, weight).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * row_weight).sum(), logits.argmax(-1)
+
+
+def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                row_weight: torch.Tensor, chunk_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions.
+
+    hidden: [N, H]; labels, row_weight: [N]. With chunk_rows > 0 the logits are made chunk by
+    chunk and recomputed in backward (activation checkpointing), so peak memory holds one
+    chunk's logits instead of N x vocab. Returns (loss_sum, predictions [N]).
+    """
+    if chunk_rows <= 0 or hidden.shape[0] <= chunk_rows:
+        return _chunk_ce(hidden, lm_head_weight, labels, row_weight)
+    total, preds = hidden.new_zeros((), dtype=torch.float32), []
+    for s in range(0, hidden.shape[0], chunk_rows):
+        e = s + chunk_rows
+        part, pred = checkpoint(_chunk_ce, hidden[s:e], lm_head_weight, labels[s:e], row_weight[s:e],
+                                use_reentrant=False)
+        total = total + part
+        preds.append(pred)
+    return total, torch.cat(preds)
+
+
+def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+               label_mask: torch.Tensor, gamma: float, chunk_rows: int = 0):
+    """The DFlash loss terms over packed blocks.
+
+    hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
+    go through the LM head. Returns (loss_sum, weight_sum, predictions [..., B], -1 where
+    there is no label); the loss is loss_sum / weight_sum, i.e. sum_k w_k CE_k / sum_k w_k
+    over labelled slots. The caller divides, so that it can use the weight sum of a whole
+    optimizer step across processes and micro-batches (exact distributed equivalence).
+    """
+    w = slot_weights(labels.shape[-1], gamma).to(hidden.device)
+    w = (w * label_mask).reshape(-1)
+    rows = label_mask.reshape(-1).nonzero().flatten()
+    flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
+    loss_sum, pred = weighted_ce(flat_h, lm_head_weight, labels.reshape(-1)[rows], w[rows], chunk_rows)
+    predictions = torch.full(labels.shape, -1, dtype=torch.long, device=labels.device)
+    predictions.view(-1)[rows] = pred
+    return loss_sum, w.sum(), predictions

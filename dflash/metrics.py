@@ -1,0 +1,58 @@
+"""Per-position accuracy, streak and tau: one implementation for training and evaluation.
+
+For a block at anchor p, slot k (1..B-1) is correct when the drafter's argmax equals x_{p+k}.
+streak = consecutive correct slots from slot 1 (stopping at the first wrong or unlabelled
+slot); tau = streak + 1, the tokens a greedy verification step commits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def slot_correct(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor):
+    """(correct, valid) for slots 1..B-1: each [..., B-1] bool."""
+    valid = label_mask[..., 1:]
+    return (predictions[..., 1:] == labels[..., 1:]) & valid, valid
+
+
+def streaks(correct: torch.Tensor) -> torch.Tensor:
+    """[...] consecutive correct slots from slot 1. correct: [..., B-1] (already masked)."""
+    return correct.long().cumprod(-1).sum(-1)
+
+
+def count(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> dict:
+    """Summable counts over the blocks of a batch (blocks = those with slot 1 labelled)."""
+    correct, valid = slot_correct(predictions, labels, label_mask)
+    blocks = valid[..., 0]
+    correct, valid = correct[blocks], valid[blocks]
+    return {
+        "correct": correct.sum(0).double().cpu(),
+        "valid": valid.sum(0).double().cpu(),
+        "streak": streaks(correct).sum().double().cpu(),
+        "blocks": torch.tensor(float(blocks.sum()), dtype=torch.float64),
+    }
+
+
+def add(a: dict | None, b: dict) -> dict:
+    return dict(b) if a is None else {k: a[k] + b[k] for k in a}
+
+
+def finalize(counts: dict, prefix: str) -> dict:
+    """`{prefix}/acc@k` (k = 1..B-1), `{prefix}/streak`, `{prefix}/tau` from summed counts."""
+    out = {}
+    valid = counts["valid"].clamp_min(1)
+    for k, acc in enumerate((counts["correct"] / valid).tolist(), start=1):
+        out[f"{prefix}/acc@{k}"] = acc
+    blocks = max(float(counts["blocks"]), 1.0)
+    out[f"{prefix}/streak"] = float(counts["streak"]) / blocks
+    out[f"{prefix}/tau"] = out[f"{prefix}/streak"] + 1.0
+    return out
+
+
+def tau_histogram(taus, block_size: int) -> list[int]:
+    """Counts of tau = 1..B."""
+    hist = [0] * block_size
+    for t in taus:
+        hist[int(t) - 1] += 1
+    return hist

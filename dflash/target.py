@@ -1,0 +1,276 @@
+"""The target side: loading, layer ids, kernel backends and identity fingerprints.
+
+Every path that needs the target (extraction, online training, evaluation, live decoding)
+loads it here, so the model class, dtype, device and kernel backend are chosen one way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash.config import ConfigError, LayersConfig, TargetConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """Reference layer choice: `round(1 + i*(T-4)/(n-1))`, spread between layer 1 and T-3."""
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
+
+
+def resolve_layer_ids(cfg: LayersConfig, num_target_layers: int) -> list[int]:
+    """The target layer ids a drafter reads, validated against the target's depth."""
+    ids = list(cfg.ids) if cfg.ids is not None else build_target_layer_ids(num_target_layers, cfg.num)
+    source = "layers.ids" if cfg.ids is not None else f"the reference formula with layers.num={cfg.num}"
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{source} gives repeated layer ids {ids} for a {num_target_layers}-layer target; "
+                          f"lower layers.num or list layers.ids explicitly")
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ConfigError(f"layer ids {bad} from {source} are outside [0, {num_target_layers}) "
+                          f"for this {num_target_layers}-layer target")
+    if num_target_layers - 1 in ids and not cfg.allow_last_layer:
+        raise ConfigError(
+            f"layer {num_target_layers - 1} is the target's last layer: its output is what the logits are "
+            f"made from, so a drafter fed with it trains well and serves badly. Pick earlier layers, or "
+            f"set layers.allow_last_layer=true if you mean it")
+    return ids
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target with the pieces a drafter borrows."""
+
+    model: nn.Module
+    tokenizer: object
+    config: object
+    """The text config (num_hidden_layers, hidden_size, vocab_size, ...)."""
+    layers: nn.ModuleList
+    """The decoder layers, in order."""
+    final_norm: nn.Module
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module
+    mask_token_id: int
+    path: str
+    kernels: dict = field(default_factory=dict)
+    """Which kernels each layer type runs: see `kernel_report`."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def layer_types(self) -> list[str]:
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else ["full_attention"] * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def stop_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return sorted(i for i in ids if i is not None)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"target.device={name} but no CUDA device is visible; use target.device=cpu")
+    return torch.device(name)
+
+
+def _find_layers(model: nn.Module, n: int) -> nn.ModuleList:
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and "Decoder" in type(module[0]).__name__:
+            return module
+    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def _find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    for owner in model.modules():
+        if any(child is layers for child in owner.children()) and hasattr(owner, "norm"):
+            return owner.norm
+    raise ValueError(f"could not find the final norm of {type(model).__name__}")
+
+
+def _resolved_impl(fn) -> object:
+    """The implementation transformers bound behind a kernel-dispatching function."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        code = getattr(fn, "__code__", None)
+        if code is not None and fn.__closure__:
+            cells = dict(zip(code.co_freevars, fn.__closure__))
+            if "implementation" in cells:
+                return cells["implementation"].cell_contents
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def kernel_report(model: nn.Module, layer_types: list[str]) -> dict:
+    """Which kernels each layer type of the target runs, as will be recorded in manifests.
+
+    `linear_attention` and `causal_conv1d` name the package transformers bound for Gated
+    DeltaNet layers (fla / causal_conv1d) or `torch_fallback` for its PyTorch reference code.
+    """
+    report = {"full_attention": getattr(model.config, "_attn_implementation", None) or "eager"}
+    if "linear_attention" in layer_types:
+        linear = next((m for m in model.modules() if "GatedDeltaNet" in type(m).__name__), None)
+        module = sys.modules[type(linear).__module__]
+        for key, fn_name, package in (("linear_attention", "torch_chunk_gated_delta_rule", "fla"),
+                                      ("causal_conv1d", "causal_conv1d_fn", "causal_conv1d")):
+            impl = _resolved_impl(getattr(module, fn_name, None))
+            if impl is None:  # transformers without the dispatch wrapper: infer from the install
+                report[key] = package if importlib.util.find_spec(package) else "torch_fallback"
+            else:
+                report[key] = package if getattr(impl, "__module__", "").startswith(package) else "torch_fallback"
+    if "sliding_attention" in layer_types:
+        report["sliding_attention"] = report["full_attention"]
+    return report
+
+
+def kernel_backend(report: dict) -> str:
+    """One comparable string for a kernel report, e.g. `causal_conv1d=torch_fallback,full_attention=sdpa`."""
+    return ",".join(f"{k}={v}" for k, v in sorted(report.items()))
+
+
+def ensure_built(cfg: TargetConfig) -> None:
+    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine)."""
+    if cfg.build is None or (Path(cfg.path) / "config.json").exists():
+        return
+    from dflash import builtin_targets
+
+    dest = Path(cfg.path).expanduser()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    log.info("building target %s into %s", cfg.build, dest)
+    builtin_targets.build(cfg.build, tmp)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_target(cfg: TargetConfig, device: torch.device | None = None) -> Target:
+    """Load the target frozen in eval mode, on `device` (default: from cfg.device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    ensure_built(cfg)
+    path = str(Path(cfg.path).expanduser()) if Path(cfg.path).expanduser().exists() else cfg.path
+    device = device or pick_device(cfg.device)
+    common = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    try:
+        hf_config = AutoConfig.from_pretrained(path, **common)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"cannot load the target config from target.path={cfg.path!r} ({e}). Point target.path at a "
+            f"local model directory, or a hub id that is cached locally (HF_HUB_OFFLINE=1 allows no downloads)"
+        ) from e
+    text_config = hf_config.get_text_config()
+    if cfg.num_layers is not None and text_config.num_hidden_layers != cfg.num_layers:
+        raise ConfigError(f"target.num_layers={cfg.num_layers} but {path} has "
+                          f"{text_config.num_hidden_layers} layers; fix the preset or target.path")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **common)
+    model.requires_grad_(False).eval().to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, **common)
+    text_config = model.config.get_text_config()
+    layers = _find_layers(model, text_config.num_hidden_layers)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
+        raise ConfigError(f"target.mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
+                          f"[0, {embed.weight.shape[0]}); set the id of the mask token of {cfg.name}")
+    target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers,
+                    final_norm=_find_final_norm(model, layers), embed_tokens=embed, lm_head=head,
+                    mask_token_id=cfg.mask_token_id, path=path)
+    target.kernels = kernel_report(model, target.layer_types)
+    if (device.type == "cuda" and target.is_hybrid and target.kernels.get("linear_attention") != "fla"
+            and not cfg.allow_fallback_kernels):
+        raise RuntimeError(
+            f"{cfg.name} has linear-attention layers but transformers bound the PyTorch fallback, not the "
+            f"fla kernels (install the gpu extra: pip install 'dflash[gpu]'). Features from the fallback "
+            f"differ from the ones a server computes. Set target.allow_fallback_kernels=true to accept that")
+    log.info("target %s: %d layers, hidden %d, %s on %s, kernels %s", cfg.name, target.num_layers,
+             target.hidden_size, cfg.dtype, device, kernel_backend(target.kernels))
+    return target
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the vocabulary, merges, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else json.dumps(
+        sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()[:16]
+
+
+def weights_fingerprint(target: Target) -> str:
+    """sha256 over every parameter's name, shape and a strided sample of its values.
+
+    Reads the loaded weights (not files), so it works for hub ids and local dirs alike; the
+    sample is cast to float32 so the same weights loaded in another dtype still differ only
+    through their rounding, which the dtype field reports anyway.
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(target.model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(flat[::step][:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_identity(target: Target) -> dict:
+    """What names a target in a manifest: architecture, depth, width, vocab and fingerprints."""
+    c = target.config
+    return {
+        "path": target.path,
+        "model_type": c.model_type,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "layer_types": target.layer_types,
+        "weights_fingerprint": weights_fingerprint(target),
+    }

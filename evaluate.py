@@ -1,0 +1,27 @@
+"""Evaluate a drafter on held-out prompts; metrics land in the training run's W&B run.
+
+    python evaluate.py                                 # latest checkpoint of the newest run
+    python evaluate.py checkpoint=step20k run.name=my-run
+    python evaluate.py checkpoint=best eval=live       # real speculative decoding, lossless check
+    python evaluate.py checkpoint=/path/to/z-lab/drafter target=qwen3_8b
+    python evaluate.py checkpoint=latest eval.compare=[/path/to/reference/drafter]
+"""
+
+import hydra
+
+from dflash.cli import to_job
+from dflash.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
+def main(cfg) -> None:
+    job = to_job(cfg)  # config errors stop here, before anything heavy is imported
+    from dflash.evaluation import evaluate
+
+    evaluate(job)
+
+
+if __name__ == "__main__":
+    main()

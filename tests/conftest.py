@@ -1,0 +1,59 @@
+"""Shared fixtures: offline, CPU-only, tiny targets built once per session."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dflash_home(tmp_path_factory):
+    """Built-in targets go to a per-session folder, never the user's cache."""
+    home = os.environ.get("DFLASH_TEST_HOME") or str(tmp_path_factory.mktemp("dflash_home"))
+    os.environ["DFLASH_HOME"] = home
+    return Path(home)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def compose(config_name: str = "train", overrides: list[str] | None = None):
+    """Compose a conf/ config through Hydra's compose API and turn it into a JobConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dflash.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides or [])
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(dflash_home):
+    """Both tiny presets, loaded through the real loading path (built on first use)."""
+    from dflash.target import load_target
+
+    return {name: load_target(compose("train", [f"target={name}"]).target, torch.device("cpu"))
+            for name in ("tiny_qwen3", "tiny_qwen3_5")}
+
+
+@pytest.fixture(params=["tiny_qwen3", "tiny_qwen3_5"])
+def tiny_target(request, tiny_targets):
+    return tiny_targets[request.param]

@@ -1,0 +1,100 @@
+import subprocess
+import sys
+
+import pytest
+
+from dflash.config import ConfigError, DrafterConfig, LossConfig, NoiseConfig
+from tests.conftest import REPO, compose
+
+GROUP_OPTIONS = sorted(
+    (p.parent.name, p.stem) for p in (REPO / "conf").glob("*/*.yaml"))
+REQUIRED = {("layers", "explicit"): ["layers.ids=[1,2,3]"],
+            ("data", "jsonl"): ["data.prompts=/tmp/prompts.jsonl"]}
+
+
+def test_every_group_has_options():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    for g in ("target", "drafter", "layers", "noise", "loss", "data", "optim", "logger", "eval", "experiment"):
+        assert g in groups, f"conf/{g}/ is missing"
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate", "extract"])
+def test_entry_configs_compose(entry):
+    job = compose(entry)
+    assert job.target.name and job.drafter.block_size >= 2 and job.features.dir
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_option_composes_to_dataclasses(group, option):
+    overrides = [f"{group}={option}"] + REQUIRED.get((group, option), [])
+    if group == "experiment":
+        overrides.append("data.prompts=/tmp/prompts.jsonl")
+    job = compose("train", overrides)
+    assert type(job).__name__ == "JobConfig"
+
+
+def test_presets_hold_the_public_shapes():
+    q8 = compose("train", ["experiment=qwen3_8b", "data.prompts=x.jsonl"])
+    assert (q8.target.num_layers, q8.target.mask_token_id, q8.drafter.block_size, q8.drafter.num_layers) == (
+        36, 151669, 16, 5)
+    q36 = compose("train", ["experiment=qwen3_6_27b", "data.prompts=x.jsonl"])
+    assert q36.target.num_layers == 64 and q36.target.mask_token_id == 248070
+    assert q36.drafter.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert q36.drafter.sliding_window == 2048
+    q35 = compose("train", ["experiment=qwen3_5_27b", "data.prompts=x.jsonl"])
+    assert q35.drafter.resolved_layer_types() == ["full_attention"] * 5
+
+
+def test_unknown_preset_names_the_available_ones():
+    result = run_entry("train.py", "target=nope")
+    assert result.returncode != 0
+    assert "Could not find 'target/nope'" in result.stderr
+    for preset in ("qwen3_8b", "qwen3_5_27b", "qwen3_6_27b", "tiny_qwen3", "tiny_qwen3_5"):
+        assert preset in result.stderr
+
+
+def test_unknown_key_is_refused():
+    result = run_entry("train.py", "optim.lrr=1")
+    assert result.returncode != 0 and "Key 'lrr' not in 'OptimConfig'" in result.stderr
+
+
+def test_bad_value_exits_with_the_key_named():
+    result = run_entry("train.py", "drafter.block_size=1")
+    assert result.returncode == 2 and "drafter.block_size=1" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("entry", ["train.py", "evaluate.py", "extract.py"])
+def test_cfg_job_prints_the_config(entry):
+    result = run_entry(entry, "--cfg", "job")
+    assert result.returncode == 0 and "target:" in result.stdout and "drafter:" in result.stdout
+
+
+def run_entry(script, *args):
+    return subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: DrafterConfig(block_size=1), "drafter.block_size"),
+    (lambda: DrafterConfig(num_layers=2, layer_types=["full_attention"]), "drafter.layer_types"),
+    (lambda: DrafterConfig(num_layers=1, layer_types=["sliding_attention"]), "drafter.sliding_window"),
+    (lambda: NoiseConfig(kind="gaussian", scale=0.0), "noise.scale"),
+    (lambda: NoiseConfig(kind="pink"), "noise.kind"),
+])
+def test_cross_field_checks(make, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        make()
+
+
+def test_gamma_defaults_by_block_size():
+    assert [LossConfig().gamma_for(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert LossConfig(gamma=3.0).gamma_for(12) == 3.0
+    with pytest.raises(ConfigError, match="loss.gamma"):
+        LossConfig().gamma_for(12)
+
+
+def test_config_error_surfaces_through_compose():
+    with pytest.raises(Exception) as e:
+        compose("train", ["drafter.block_size=1"])
+    text = f"{e.value} {e.value.__cause__}"
+    assert "drafter.block_size=1" in text

@@ -1,0 +1,96 @@
+"""Target loading, layer ids and kernel reports on the tiny presets."""
+
+import pytest
+import torch
+
+from dflash.builders import build_drafter, check_fits
+from dflash.config import ConfigError, DrafterConfig, LayersConfig
+from dflash.features import target_forward
+from dflash.target import build_target_layer_ids, kernel_backend, load_target, resolve_layer_ids
+from tests.conftest import compose
+
+
+@pytest.mark.parametrize("T,n,ids", [(36, 5, [1, 9, 17, 25, 33]), (64, 5, [1, 16, 31, 46, 61]),
+                                     (8, 5, [1, 2, 3, 4, 5]), (28, 1, [14])])
+def test_reference_layer_formula(T, n, ids):
+    assert build_target_layer_ids(T, n) == ids
+
+
+def test_layer_ids_out_of_range_are_named():
+    with pytest.raises(ConfigError, match=r"\[40\].*outside \[0, 36\)"):
+        resolve_layer_ids(LayersConfig(ids=[1, 40]), 36)
+
+
+def test_last_layer_is_refused_unless_allowed():
+    with pytest.raises(ConfigError, match="last layer.*allow_last_layer"):
+        resolve_layer_ids(LayersConfig(ids=[1, 35]), 36)
+    assert resolve_layer_ids(LayersConfig(ids=[1, 35], allow_last_layer=True), 36) == [1, 35]
+
+
+def test_formula_that_repeats_layers_is_refused():
+    with pytest.raises(ConfigError, match="repeated layer ids"):
+        resolve_layer_ids(LayersConfig(num=5), 6)
+
+
+def test_tiny_presets_load_through_from_pretrained(tiny_targets, dflash_home):
+    q3, q35 = tiny_targets["tiny_qwen3"], tiny_targets["tiny_qwen3_5"]
+    assert (dflash_home / "targets" / "tiny_qwen3" / "config.json").exists()
+    assert q3.num_layers == q35.num_layers == 8 and q3.hidden_size == 64
+    assert not q3.is_hybrid and q35.is_hybrid
+    assert q35.layer_types.count("linear_attention") == 6
+    assert q3.tokenizer.mask_token_id == q3.mask_token_id == 261
+    assert isinstance(q3.embed_tokens, torch.nn.Embedding) and q3.lm_head.weight.shape == (q3.vocab_size, 64)
+
+
+def test_kernel_report_names_the_fallback_on_cpu(tiny_targets):
+    report = tiny_targets["tiny_qwen3_5"].kernels
+    assert report["linear_attention"] == "torch_fallback" and report["causal_conv1d"] == "torch_fallback"
+    assert report["full_attention"] == "sdpa"
+    assert "linear_attention" not in tiny_targets["tiny_qwen3"].kernels
+    assert kernel_backend(report).startswith("causal_conv1d=torch_fallback,")
+
+
+def test_features_equal_output_hidden_states(tiny_target):
+    ids = torch.randint(0, 256, (2, 23))
+    layer_ids = [1, 4, 7]  # 7 is the last layer: HF reports it after the final norm
+    out = target_forward(tiny_target, ids, layer_ids)
+    with torch.no_grad():
+        ref = tiny_target.model(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(out.features, torch.cat([ref[i + 1] for i in layer_ids], -1))
+
+
+def test_mask_token_outside_vocab_is_refused(dflash_home):
+    cfg = compose("train", ["target=tiny_qwen3", "target.mask_token_id=5000"]).target
+    with pytest.raises(ConfigError, match="mask_token_id=5000.*outside"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_wrong_layer_count_is_refused(dflash_home):
+    cfg = compose("train", ["target=tiny_qwen3", "target.num_layers=36"]).target
+    with pytest.raises(ConfigError, match="num_layers=36"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_missing_target_path_is_explained():
+    cfg = compose("train", ["target=tiny_qwen3", "target.build=null", "target.path=/nonexistent/model"]).target
+    with pytest.raises(FileNotFoundError, match="target.path"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_drafter_sized_after_target(tiny_target):
+    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=8), LayersConfig(num=3), tiny_target)
+    assert drafter.target_layer_ids == [1, 3, 5]
+    assert drafter.fc.weight.shape == (64, 3 * 64) and drafter.mask_token_id == 261
+
+
+def test_drafter_of_another_width_is_refused(tiny_targets):
+    from transformers import Qwen3Config
+
+    from dflash.model import DFlashDrafter, drafter_config
+
+    wide = Qwen3Config(vocab_size=262, hidden_size=96, intermediate_size=64, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2)
+    drafter = DFlashDrafter(drafter_config(wide, num_layers=1, block_size=4, target_layer_ids=[1],
+                                           mask_token_id=261))
+    with pytest.raises(ConfigError, match="hidden size 96 but the target has 64"):
+        check_fits(drafter, tiny_targets["tiny_qwen3"])
