@@ -140,14 +140,15 @@ def packed_attention_masks(blocks: PackedBlocks, layer_types: list[str], window:
 
 
 def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBlocks,
-                 backend: str = "sdpa") -> torch.Tensor:
+                 backend: str = "sdpa", model=None) -> torch.Tensor:
     """Drafter hidden states for every packed block: [b, n, B, H].
 
-    features: [b, L, n_layers * H] (already noised if noise is on).
+    features: [b, L, n_layers * H] (already noised if noise is on). model: what to call
+    (a DDP/compiled wrapper of `drafter`); defaults to the drafter itself.
     """
     masks = packed_attention_masks(blocks, drafter.layer_types, drafter.config.sliding_window, backend)
     noise = embed_tokens(blocks.input_ids).to(features.dtype)
-    hidden = drafter(noise, features, blocks.position_ids, attention_mask=masks)
+    hidden = (model or drafter)(noise, features, blocks.position_ids, attention_mask=masks)
     b, n = blocks.anchors.shape
     return hidden.view(b, n, blocks.block_size, -1)
 

@@ -350,7 +350,9 @@ class EvalConfig:
     prompts: str = "builtin:eval_coding"
     """Held-out prompts (same formats as data.prompts); builtin:eval_coding = the ten shipped coding tasks."""
     completions_path: str | None = None
-    """Cached held-out completions (JSONL); null = generated greedily by the target and stored in the run."""
+    """Cached held-out completions (JSONL); null = generated greedily by the target, stored next to the features."""
+    features_dir: str | None = None
+    """Feature cache of the held-out set; null = cache/<target>/eval-<prompts>-n<max_new_tokens>/features."""
     max_new_tokens: int = 256
     """Length of the greedy held-out completions (and of live decoding)."""
     mode: str = "teacher_forced"
@@ -373,6 +375,9 @@ class EvalConfig:
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
     plots: bool = True
     """Write PNG plots next to summary.json."""
+    tie_margin: float | None = None
+    """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
+    is reported as a numerical tie, not a failure; null = 1e-3 for float32 targets, 0.1 otherwise."""
 
     def __post_init__(self) -> None:
         _one_of("eval.mode", self.mode, {"teacher_forced", "live"})

@@ -42,8 +42,8 @@ def backend_report(target: Target) -> dict:
 
 @dataclass
 class TargetOutput:
-    features: torch.Tensor
-    """[b, L, len(layer_ids) * H] concatenated layer outputs, in layer_ids order."""
+    features: torch.Tensor | None
+    """[b, L, len(layer_ids) * H] concatenated layer outputs, in layer_ids order (None for no layers)."""
     logits: torch.Tensor | None
     """[b, kept, vocab] when logits were asked for."""
 
@@ -83,7 +83,7 @@ def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int]
     finally:
         for h in hooks:
             h.remove()
-    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
     return TargetOutput(features=features, logits=None if logits_to_keep is None else out.logits)
 
 

@@ -58,23 +58,26 @@ def resolve_layer_ids(cfg: LayersConfig, num_target_layers: int) -> list[int]:
 class Target:
     """A loaded, frozen target with the pieces a drafter borrows."""
 
-    model: nn.Module
+    model: nn.Module | None
+    """The causal LM; None when only the heads were loaded (offline training)."""
     tokenizer: object
     config: object
     """The text config (num_hidden_layers, hidden_size, vocab_size, ...)."""
-    layers: nn.ModuleList
+    layers: nn.ModuleList | None
     """The decoder layers, in order."""
-    final_norm: nn.Module
+    final_norm: nn.Module | None
     embed_tokens: nn.Embedding
     lm_head: nn.Module
     mask_token_id: int
     path: str
     kernels: dict = field(default_factory=dict)
     """Which kernels each layer type runs: see `kernel_report`."""
+    fingerprint: str = ""
+    """`weights_fingerprint` of the checkpoint files."""
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
@@ -192,12 +195,17 @@ def ensure_built(cfg: TargetConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_target(cfg: TargetConfig, device: torch.device | None = None) -> Target:
-    """Load the target frozen in eval mode, on `device` (default: from cfg.device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_only: bool = False) -> Target:
+    """Load the target frozen in eval mode, on `device` (default: from cfg.device).
+
+    heads_only: read just `embed_tokens` and `lm_head` from the weight files (all that offline
+    training needs), not the whole model.
+    """
+    from transformers import AutoConfig, AutoTokenizer
 
     ensure_built(cfg)
-    path = str(Path(cfg.path).expanduser()) if Path(cfg.path).expanduser().exists() else cfg.path
+    model_dir = local_model_dir(cfg.path, cfg.revision)
+    path = str(model_dir) if model_dir is not None else cfg.path
     device = device or pick_device(cfg.device)
     common = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
     try:
@@ -211,29 +219,76 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None) -> Target
     if cfg.num_layers is not None and text_config.num_hidden_layers != cfg.num_layers:
         raise ConfigError(f"target.num_layers={cfg.num_layers} but {path} has "
                           f"{text_config.num_hidden_layers} layers; fix the preset or target.path")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation, **common)
-    model.requires_grad_(False).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path, **common)
-    text_config = model.config.get_text_config()
-    layers = _find_layers(model, text_config.num_hidden_layers)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    dtype = DTYPES[cfg.dtype]
+    if heads_only and model_dir is not None:
+        model, layers, norm = None, None, None
+        embed, head = _load_heads(model_dir, text_config, dtype, device)
+        kernels = {}
+    else:
+        model = _load_model(path, cfg, dtype, common).requires_grad_(False).eval().to(device)
+        layers = _find_layers(model, text_config.num_hidden_layers)
+        norm = _find_final_norm(model, layers)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        kernels = kernel_report(model, list(getattr(text_config, "layer_types", None) or []))
     if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
         raise ConfigError(f"target.mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
                           f"[0, {embed.weight.shape[0]}); set the id of the mask token of {cfg.name}")
-    target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers,
-                    final_norm=_find_final_norm(model, layers), embed_tokens=embed, lm_head=head,
-                    mask_token_id=cfg.mask_token_id, path=path)
-    target.kernels = kernel_report(model, target.layer_types)
-    if (device.type == "cuda" and target.is_hybrid and target.kernels.get("linear_attention") != "fla"
-            and not cfg.allow_fallback_kernels):
+    target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
+                    embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
+                    kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown")
+    if (device.type == "cuda" and target.is_hybrid and model is not None
+            and target.kernels.get("linear_attention") != "fla" and not cfg.allow_fallback_kernels):
         raise RuntimeError(
             f"{cfg.name} has linear-attention layers but transformers bound the PyTorch fallback, not the "
             f"fla kernels (install the gpu extra: pip install 'dflash[gpu]'). Features from the fallback "
             f"differ from the ones a server computes. Set target.allow_fallback_kernels=true to accept that")
-    log.info("target %s: %d layers, hidden %d, %s on %s, kernels %s", cfg.name, target.num_layers,
-             target.hidden_size, cfg.dtype, device, kernel_backend(target.kernels))
+    log.info("target %s: %d layers, hidden %d, %s on %s%s", cfg.name, target.num_layers, target.hidden_size,
+             cfg.dtype, device, f", kernels {kernel_backend(kernels)}" if kernels else " (heads only)")
     return target
+
+
+def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target:
+    """A Target for a plain loaded HF causal LM (a Target is returned as is)."""
+    if isinstance(model, Target):
+        return model
+    text_config = model.config.get_text_config()
+    layers = _find_layers(model, text_config.num_hidden_layers)
+    return Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers,
+                  final_norm=_find_final_norm(model, layers), embed_tokens=model.get_input_embeddings(),
+                  lm_head=model.get_output_embeddings(), mask_token_id=-1 if mask_token_id is None else mask_token_id,
+                  path=getattr(model, "name_or_path", ""),
+                  kernels=kernel_report(model, list(getattr(text_config, "layer_types", None) or [])),
+                  fingerprint="unknown")
+
+
+def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                **common)
+
+
+def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
+    """embed_tokens and lm_head straight from the safetensors files (tied heads share one tensor)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name.startswith(("mtp.", "model.visual.", "visual.")):
+                    continue
+                for kind, suffix in (("embed", "embed_tokens.weight"), ("head", "lm_head.weight")):
+                    if name.endswith(suffix) and kind not in found:
+                        found[kind] = fh.get_tensor(name)
+    if "embed" not in found:
+        raise ValueError(f"no embed_tokens weight found in {model_dir}/*.safetensors")
+    head_w = found.get("head", found["embed"])
+    embed = nn.Embedding.from_pretrained(found["embed"].to(dtype), freeze=True).to(device)
+    head = nn.Linear(text_config.hidden_size, head_w.shape[0], bias=False, dtype=dtype)
+    head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
+    return embed, head.to(device)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -246,31 +301,48 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def weights_fingerprint(target: Target) -> str:
-    """sha256 over every parameter's name, shape and a strided sample of its values.
+def local_model_dir(path: str, revision: str | None = None) -> Path | None:
+    """The directory holding a target's files: `path` itself, or its local hub snapshot."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
 
-    Reads the loaded weights (not files), so it works for hub ids and local dirs alike; the
-    sample is cast to float32 so the same weights loaded in another dtype still differ only
-    through their rounding, which the dtype field reports anyway.
-    """
+        return Path(snapshot_download(path, revision=revision, local_files_only=True))
+    except Exception:
+        return None
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """sha256 over every safetensors file's header (names, dtypes, shapes) and 64 evenly spaced
+    4 KiB samples of its data. Reads a few hundred KiB, not the weights, so it is cheap for a
+    27B target, yet any fine-tune or re-quantisation changes it."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no .safetensors weights to fingerprint")
     h = hashlib.sha256()
-    for name, p in sorted(target.model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // 4096)
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(flat[::step][:4096].float().cpu().numpy().tobytes())
+    for f in files:
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(header_len))
+            start = 8 + header_len
+            for i in range(64):
+                fh.seek(start + (size - start) * i // 64)
+                h.update(fh.read(4096))
     return h.hexdigest()[:16]
 
 
 def target_identity(target: Target) -> dict:
-    """What names a target in a manifest: architecture, depth, width, vocab and fingerprints."""
+    """What names a target in a manifest: architecture, depth, width, vocab and a weights
+    fingerprint (not its path: the same weights may live in different places)."""
     c = target.config
     return {
-        "path": target.path,
         "model_type": c.model_type,
         "num_layers": target.num_layers,
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
         "layer_types": target.layer_types,
-        "weights_fingerprint": weights_fingerprint(target),
+        "weights_fingerprint": target.fingerprint,
     }

@@ -1,0 +1,27 @@
+"""The little of distributed state that data preparation needs: rank, world size, barrier."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def current() -> Dist:
+    """This process's place in an `accelerate launch` (or a single process)."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.num_processes == 1:
+        return Dist()
+    return Dist(state.process_index, state.num_processes, state.wait_for_everyone)
