@@ -82,7 +82,9 @@ def write_shard(root: Path, k: int, ids: list[str], input_ids: list[torch.Tensor
     }
     path = root / shard_file(k)
     tmp = root / f".{shard_file(k)}.tmp"
-    save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "storage": storage})
+    # one metadata key: safetensors writes several in hash order, which would make shard bytes
+    # (and their checksums) differ between runs that wrote the same data
+    save_file(tensors, str(tmp), metadata={"dflash": json.dumps({"ids": ids, "storage": storage}, sort_keys=True)})
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -81,11 +81,22 @@ def check_settings(path: Path, settings: dict) -> None:
         os.replace(tmp, meta)
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line that a crash left without its newline, so appends start on a fresh line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class _Appender:
     """Append records to a JSONL file, flushed and fsynced per batch, from several threads."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(path)
         self.file = path.open("a")
         self.lock = threading.Lock()
 
@@ -120,8 +131,11 @@ def merge_parts(path: Path) -> None:
 def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list[int]) -> list[dict]:
     """Greedy completions from the in-process target; left-padded batches."""
     tok = target.tokenizer
-    tok.padding_side = "left"
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    finally:
+        tok.padding_side = side
     extra = {"stop_strings": list(cfg.stop), "tokenizer": tok} if cfg.stop else {}
     with torch.no_grad():
         out = target.model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False,

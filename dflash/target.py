@@ -295,8 +295,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of the vocabulary, merges, special tokens and chat template."""
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else json.dumps(
-        sorted(tokenizer.get_vocab().items())).encode())
+    # canonical JSON (the Rust side writes the vocabulary in hash order, differing run to run),
+    # without padding/truncation, which are call-time settings rather than the vocabulary
+    spec = json.loads(backend.to_str()) if backend is not None else sorted(tokenizer.get_vocab().items())
+    if isinstance(spec, dict):
+        spec = {k: v for k, v in spec.items() if k not in ("padding", "truncation")}
+    h.update(json.dumps(spec, sort_keys=True).encode())
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
     return h.hexdigest()[:16]
 

@@ -94,3 +94,15 @@ def test_drafter_of_another_width_is_refused(tiny_targets):
                                            mask_token_id=261))
     with pytest.raises(ConfigError, match="hidden size 96 but the target has 64"):
         check_fits(drafter, tiny_targets["tiny_qwen3"])
+
+
+def test_tokenizer_fingerprint_ignores_call_time_settings(tiny_targets):
+    from dflash.target import tokenizer_fingerprint
+
+    tok = tiny_targets["tiny_qwen3"].tokenizer
+    before = tokenizer_fingerprint(tok)
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        assert tokenizer_fingerprint(tok) == before
+    finally:
+        tok.padding_side = side
