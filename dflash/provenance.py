@@ -37,13 +37,13 @@ def check_provenance(expected: dict, actual: dict, allow: list[str] | tuple = ()
     differing = [f for f in GUARDED_FIELDS if expected.get(f) != actual.get(f)]
     refused = [f for f in differing if f not in allow]
     if refused:
-        lines = [f"  {f}: {expected_name} has {_show(expected.get(f))}, {actual_name} have {_show(actual.get(f))}"
+        lines = [f"  {f}: {_show(expected.get(f))} in {expected_name}, {_show(actual.get(f))} in {actual_name}"
                  for f in refused]
         raise ProvenanceError(
             f"{actual_name} do not match {expected_name}:\n" + "\n".join(lines) +
             f"\nRe-extract the features with the same target/kernels, or, if you know the difference is "
             f"harmless, override with provenance.allow_mismatch=[{','.join(refused)}]")
     for f in differing:
-        log.warning("provenance: %s differs and is allowed by provenance.allow_mismatch: %s has %s, %s have %s",
-                    f, expected_name, _show(expected.get(f)), actual_name, _show(actual.get(f)))
+        log.warning("provenance: %s differs and is allowed by provenance.allow_mismatch: %s in %s, %s in %s",
+                    f, _show(expected.get(f)), expected_name, _show(actual.get(f)), actual_name)
     return differing

@@ -33,7 +33,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
                         **{f"eval/best_{k.split('/', 1)[1]}": v for k, v in summary["metrics"].items()}})
 
 
-def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=sys.stdout) -> None:
+def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:
     """One row per drafter: tau (micro, macro), acc@1, acc@B/2, ddtree@N, blocks (live: real tau,
     tokens per target forward, wall-clock speedup over plain decoding)."""
     first = next(iter(summaries.values()))

@@ -174,7 +174,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def print_table(rows: list[list], header: list[str], out=sys.stdout) -> None:
+def print_table(rows: list[list], header: list[str], out=None) -> None:
+    out = out or sys.stdout
     cells = [[str(c) for c in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     for n, r in enumerate(cells):

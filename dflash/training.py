@@ -139,15 +139,14 @@ def train(job: JobConfig) -> Path:
     setup_logging(main=accelerator.is_main_process)
     run_dir = open_run(job, accelerator)
     setup_logging(run_dir / "train.log" if accelerator.is_main_process else None, accelerator.is_main_process)
-    torch.manual_seed(job.train.seed)
-    random.seed(job.train.seed)
-
     target, layer_ids, source, manifest, eval_set = prepare_data(job, accelerator, dist)
     resume_from = ckpt.resolve_checkpoint(run_dir, job.train.resume) if job.train.resume else None
     resumed = ckpt.load_train_state(resume_from) if resume_from else None
     if resumed and resumed["manifest"] is not None:
         check_provenance(resumed["manifest"], manifest, job.provenance.allow_mismatch,
                          expected_name=f"checkpoint {resume_from.name}", actual_name="the training features")
+    torch.manual_seed(job.train.seed)  # here, so the init does not depend on what data preparation drew
+    random.seed(job.train.seed)
     drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(job.drafter, job.layers, target)
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
@@ -275,7 +274,7 @@ class Loop:
             window["counts"] = metrics.add(window.get("counts"), metrics.count(pred, blocks.labels, blocks.label_mask))
             window["tokens"] = window.get("tokens", 0) + int(batch.lengths.sum())
             window["anchors"] = window.get("anchors", 0) + int(blocks.valid.sum())
-        window["weight"] = window.get("weight", 0.0) + total_w / acc.num_processes
+        window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), job.optim.grad_clip or float("inf"))
         if not torch.isfinite(torch.as_tensor(grad_norm)):
             raise TrainingError(self._bad(f"non-finite gradient norm ({grad_norm})", micro[-1]))
