@@ -147,7 +147,11 @@ def write_outputs(out_dir: Path, records: list[dict], summary: dict, extra: dict
         import time
 
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(out_dir.stat().st_mtime))
-        out_dir.rename(out_dir.with_name(f"{out_dir.name}.{stamp}"))
+        keep, n = out_dir.with_name(f"{out_dir.name}.{stamp}"), 1
+        while keep.exists():
+            n += 1
+            keep = out_dir.with_name(f"{out_dir.name}.{stamp}-{n}")
+        out_dir.rename(keep)
     out_dir.mkdir(parents=True)
     with (out_dir / "blocks.jsonl").open("w") as f:
         for r in records:

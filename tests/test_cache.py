@@ -7,11 +7,11 @@ from dflash import cache as fcache
 from dflash.cache import CacheError, FeatureCache
 
 
-def make_cache(root, storage="bfloat16", n=5, layers=2, hidden=8, seed=0):
+def make_cache(root, storage="bfloat16", n=5, layers=2, hidden=8, seed=0, base_len=3):
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for i in range(n):
-        L = 3 + i
+        L = base_len + i
         seqs.append((f"s{i}", torch.randint(0, 100, (L,), generator=g), torch.rand(L, generator=g) > 0.5,
                      torch.randn(L, layers * hidden, generator=g) * (1 + 10 * i)))
     manifest = {"format_version": 1, "layer_ids": list(range(layers)), "storage": storage, "target": {"x": 1}}
@@ -43,8 +43,8 @@ def test_round_trip_per_sequence(tmp_path, storage):
 
 
 def test_fp8_is_about_half_of_bf16(tmp_path):
-    make_cache(tmp_path / "a", "bfloat16", n=6, layers=4, hidden=256)
-    make_cache(tmp_path / "b", "float8_e4m3fn", n=6, layers=4, hidden=256)
+    make_cache(tmp_path / "a", "bfloat16", n=6, layers=4, hidden=256, base_len=100)
+    make_cache(tmp_path / "b", "float8_e4m3fn", n=6, layers=4, hidden=256, base_len=100)
     size = lambda p: sum(f.stat().st_size for f in p.glob("*.safetensors"))  # noqa: E731
     assert size(tmp_path / "b") <= 0.52 * size(tmp_path / "a")
 
