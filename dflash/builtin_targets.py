@@ -38,9 +38,10 @@ def tiny_qwen3_5_config(vocab_size: int):
 def build(name: str, dest: Path) -> None:
     """Write target `name` (tiny_qwen3, tiny_qwen3_5, toy) into the empty directory `dest`."""
     if name == "toy":
-        from dflash.toy import build_toy_target
+        from dflash.toy import build_toy_target, install_shipped
 
-        build_toy_target(dest)
+        if not install_shipped(dest):
+            build_toy_target(dest)
         return
     from transformers import AutoModelForCausalLM
 

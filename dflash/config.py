@@ -155,12 +155,13 @@ class LossConfig:
 
     gamma: float | None = None
     """Decay of slot weights w_k = exp(-(k-1)/gamma); null picks 7/5/4 for block size 16/10/8."""
-    chunk_rows: int = 4096
-    """Rows of [anchors x block] logits computed at once (0 = all at once)."""
+    chunk_logits: int = 134217728
+    """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
+    recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
 
     def __post_init__(self) -> None:
         _positive("loss.gamma", self.gamma)
-        _positive("loss.chunk_rows", self.chunk_rows, allow_zero=True)
+        _positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
 
     def gamma_for(self, block_size: int) -> float:
         if self.gamma is not None:
@@ -359,6 +360,8 @@ class EvalConfig:
     """teacher_forced (features of the greedy completion) or live (real speculative decoding)."""
     every: int = 0
     """Evaluate during training every this many steps (0 = only at the end)."""
+    at_start: bool = True
+    """Also evaluate the untrained drafter at step 0: the baseline every run is compared with."""
     anchor_region: str = "response"
     """response (anchors in the completion, as in training) or all (every position)."""
     anchor_stride: int = 1

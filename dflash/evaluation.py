@@ -160,7 +160,8 @@ def write_outputs(out_dir: Path, records: list[dict], summary: dict, extra: dict
 
 
 def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run_dir: Path, step: int, logger, backend: str) -> dict:
-    """Teacher-forced eval during training, into eval/step-XXXXXX/ and the training run's W&B run."""
+    """Teacher-forced eval during training, into eval/step-XXXXXX/ and the training run's W&B run.
+    Returns the whole summary (metrics, histogram, per-prompt table)."""
     from dflash.plots import save_plots
     from dflash.reporting import log_eval
 
@@ -170,7 +171,7 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run_dir: Path, st
     write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced"})
     images = save_plots(out_dir, {f"step {step}": summary}) if job.eval.plots else {}
     log_eval(logger, summary, step, images)
-    return summary["metrics"]
+    return summary
 
 
 def find_run(job: JobConfig, checkpoint: str) -> Path | None:

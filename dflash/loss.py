@@ -23,14 +23,16 @@ def _chunk_ce(hidden, weight, labels, row_weight):
 
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                row_weight: torch.Tensor, chunk_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                row_weight: torch.Tensor, chunk_logits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions.
 
-    hidden: [N, H]; labels, row_weight: [N]. With chunk_rows > 0 the logits are made chunk by
-    chunk and recomputed in backward (activation checkpointing), so peak memory holds one
-    chunk's logits instead of N x vocab. Returns (loss_sum, predictions [N]).
+    hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
+    logits are made chunk by chunk of rows and recomputed in backward (activation
+    checkpointing), so peak memory holds one chunk's logits instead of N x vocab; below it
+    they are made at once (no recompute). Returns (loss_sum, predictions [N]).
     """
-    if chunk_rows <= 0 or hidden.shape[0] <= chunk_rows:
+    chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
+    if hidden.shape[0] <= chunk_rows:
         return _chunk_ce(hidden, lm_head_weight, labels, row_weight)
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
     for s in range(0, hidden.shape[0], chunk_rows):
@@ -43,7 +45,7 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-               label_mask: torch.Tensor, gamma: float, chunk_rows: int = 0):
+               label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0):
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -56,7 +58,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     w = (w * label_mask).reshape(-1)
     rows = label_mask.reshape(-1).nonzero().flatten()
     flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
-    loss_sum, pred = weighted_ce(flat_h, lm_head_weight, labels.reshape(-1)[rows], w[rows], chunk_rows)
+    loss_sum, pred = weighted_ce(flat_h, lm_head_weight, labels.reshape(-1)[rows], w[rows], chunk_logits)
     predictions = torch.full(labels.shape, -1, dtype=torch.long, device=labels.device)
     predictions.view(-1)[rows] = pred
     return loss_sum, w.sum(), predictions

@@ -92,7 +92,8 @@ class DFlashAttention(nn.Module):
         """hidden [b, q, H] (block), context [b, c, H] (new context) -> [b, q, H].
 
         cos/sin: [b, c + q, head_dim] for the new context then the block.
-        mask: None (every key visible), a bool tensor [b, 1, q, keys] or a flex BlockMask.
+        mask: None (every key visible), a bool tensor [b, 1, q, keys], a flex BlockMask, or a
+            chunked dense mask (see dflash.blocks.ChunkedMask) for packed blocks.
         """
         b, q_len, _ = hidden.shape
         c_len = context.shape[1]
@@ -112,9 +113,21 @@ class DFlashAttention(nn.Module):
             cache.values[self.layer_idx] = v[:, :, : v.shape[2] - q_len]
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = _flex(q, k, v, mask, self.scaling)
+        elif hasattr(mask, "chunks"):  # packed blocks, dense path: attend chunk by chunk
+            out = self._chunked(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+    def _chunked(self, q, k, v, mask):
+        """Each chunk of queries against the context keys it can see plus its own block keys."""
+        outs = []
+        for ch in mask.chunks:
+            keys = torch.cat([k[:, :, : ch.ctx_len], k[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
+            vals = torch.cat([v[:, :, : ch.ctx_len], v[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, ch.q_start: ch.q_end], keys, vals, attn_mask=ch.mask,
+                                                       scale=self.scaling, enable_gqa=True))
+        return torch.cat(outs, dim=2)
 
 
 class DFlashDecoderLayer(nn.Module):

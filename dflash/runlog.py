@@ -69,26 +69,40 @@ def git_commit() -> str | None:
         return None
 
 
+def _swept_keys() -> set[str]:
+    """Keys the command line sweeps over (`optim.lr=3e-4,6e-4`, `range(...)`, `choice(...)`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    try:
+        return {o.get_key_element() for o in OverridesParser.create().parse_overrides(args) if o.is_sweep_override()}
+    except Exception:  # an unparsable argument: Hydra itself will have said so
+        return set()
+
+
 def sweep_info() -> tuple[str | None, list[str]]:
-    """(sweep name, this job's overrides) under Hydra multirun; (None, []) otherwise."""
+    """(sweep name, this job's values of the swept keys) under Hydra multirun; (None, []) otherwise."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            return Path(hc.sweep.dir).name, list(hc.overrides.task)
+            swept = _swept_keys()
+            return Path(hc.sweep.dir).name, [o for o in hc.overrides.task if o.split("=", 1)[0] in swept]
     except (ValueError, ImportError):
         pass
     return None, []
 
 
 def default_run_name(job: JobConfig) -> str:
+    """<date>-<time>-<target>; in a sweep, <sweep>-<swept key=value,...> (last key component)."""
     sweep, overrides = sweep_info()
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{job.target.name}"
     if sweep:
-        suffix = ",".join(o.split(".")[-1] for o in overrides)
-        name = f"{sweep}-{suffix}" if suffix else f"{sweep}-{name}"
+        parts = [f"{o.split('=', 1)[0].split('.')[-1]}={o.split('=', 1)[1]}" for o in overrides]
+        name = f"{sweep}-{','.join(parts) or job.target.name}"
+    else:
+        name = f"{time.strftime('%Y%m%d-%H%M%S')}-{job.target.name}"
     return name.replace("/", "_")[:120]
 
 

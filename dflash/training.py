@@ -215,6 +215,7 @@ class Loop:
         self.manifest, self.eval_set, self.logger, self.run_dir = manifest, eval_set, logger, run_dir
         self.backend, self.gamma, self.total, self.state = backend, gamma, total, state
         self.steps_per_epoch = steps_per_epoch
+        self.evals: dict[str, dict] = {}
         self.n_layers = len(drafter.target_layer_ids)
 
     def run(self, loader) -> None:
@@ -225,6 +226,8 @@ class Loop:
                    disable=not acc.is_main_process or None)
         micro: list = []
         self.window_start = time.time()
+        if job.eval.at_start and self.state.step == 0:
+            self.evaluate()
         for batch in loader:
             micro.append(batch)
             if len(micro) < job.train.grad_accum:
@@ -243,6 +246,25 @@ class Loop:
         if self.state.step < self.total:
             raise TrainingError(f"the data loader ended at step {self.state.step} of {self.total}")
         self.save(evaluate=True)
+        if acc.is_main_process and self.evals:
+            from dflash.reporting import print_summary
+
+            print(f"\nheld-out evaluation ({job.eval.prompts}, teacher-forced):")
+            print_summary(self.evals)
+            print(f"run folder: {self.run_dir}")
+
+    def evaluate(self) -> dict | None:
+        """Held-out eval of the current drafter (main process); others wait."""
+        summary = None
+        if self.acc.is_main_process and self.eval_set is not None:
+            from dflash import evaluation
+
+            step = self.state.step
+            summary = evaluation.evaluate_in_run(self.job, self.drafter, self.target, self.eval_set, self.run_dir,
+                                                 step, self.logger, self.backend)
+            self.evals["untrained (step 0)" if step == 0 else f"step {step}"] = summary
+        self.acc.wait_for_everyone()
+        return summary
 
     def features(self, batch) -> torch.Tensor:
         if batch.features is not None:
@@ -267,7 +289,7 @@ class Loop:
                 hidden = draft_packed(self.drafter, self.target.embed_tokens, noised, blocks, self.backend,
                                       model=self.model)
                 loss_sum, _, pred = block_loss(hidden, self.target.lm_head.weight, blocks.labels,
-                                               blocks.label_mask, self.gamma, job.loss.chunk_rows)
+                                               blocks.label_mask, self.gamma, job.loss.chunk_logits)
             self._check_finite(loss_sum, batch)
             acc.backward(loss_sum * scale)
             window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.item()
@@ -322,15 +344,10 @@ class Loop:
         acc, step = self.acc, self.state.step
         if self.state.window:
             self.log_window()
-        summary = None
-        if evaluate and acc.is_main_process and self.eval_set is not None:
-            from dflash import evaluation
-
-            summary = evaluation.evaluate_in_run(self.job, self.drafter, self.target, self.eval_set, self.run_dir,
-                                                 step, self.logger, self.backend)
+        summary = self.evaluate() if evaluate else None
         state_dict = acc.get_state_dict(self.model)
         if acc.is_main_process:
-            tau = summary["eval/tau"] if summary else None
+            tau = summary["metrics"]["eval/tau"] if summary else None
             if tau is not None and (self.state.best_tau is None or tau > self.state.best_tau):
                 self.state.best_tau = tau
             state = {"step": step, "total_steps": self.total, "best_tau": self.state.best_tau,

@@ -58,7 +58,7 @@ def test_loss_falls_parameters_change_and_files_are_written(workdir):
     assert any(not torch.equal(init[k], end[k]) for k in end)
     assert set(end) == set(init) and not any(k.startswith(("embed", "lm_head")) for k in end)
     evals = [r for r in metrics(run) if "eval/tau" in r]
-    assert [r["step"] for r in evals] == [40] and (run / "eval" / "step-000040" / "summary.json").exists()
+    assert [r["step"] for r in evals] == [0, 40] and (run / "eval" / "step-000040" / "summary.json").exists()
 
 
 def test_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):

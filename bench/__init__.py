@@ -1,0 +1,1 @@
+"""dflash benchmarks: `python -m bench [--quick]`."""

@@ -1,0 +1,140 @@
+"""Every benchmark of the project, in one process, side by side.
+
+    python -m bench            # full sizes (a few minutes on 2 cores)
+    python -m bench --quick    # under 2 minutes on 2 cores (what CI runs)
+    python -m bench --drafter runs/<run>/checkpoints/step-000100   # live decoding with a trained drafter
+
+Writes bench/results/<date>-<machine>.json and prints a table. Ratios measured in the same run
+are the headline figures; absolute times depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class PeakMemory:
+    """Peak resident memory above the start (CPU, sampled) or peak CUDA allocation, in MiB."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self._stop = device, 0, threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = self._rss()
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        else:
+            self._stop.set()
+            self.thread.join()
+            self.mib = max(0, max(self.peak, self._rss()) - self.base) / 2**20
+        return False
+
+
+def timed(fn, repeat: int, warmup: int = 1) -> float:
+    """Median wall time of fn() over `repeat` runs, after warmup."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_flops(device: torch.device, n: int = 2048, dtype=torch.float32) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    t = timed(lambda: a @ b, repeat=5)
+    return 2 * n**3 / t
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": sys.version.split()[0], "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 cores")
+    parser.add_argument("--drafter", help="a drafter directory for the live-decoding benchmark (default: random)")
+    parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-<machine>.json)")
+    parser.add_argument("--only", nargs="*", help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    from bench import suites
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.time()
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "quick": args.quick,
+                     "device": str(device), "benchmarks": {}}
+    results["machine"]["matmul_gflops_fp32"] = round(matmul_flops(device) / 1e9, 1)
+    for name, fn in suites.SUITES.items():
+        if args.only and name not in args.only:
+            continue
+        t = time.time()
+        with PeakMemory(device) as mem:
+            out = fn(quick=args.quick, device=device, drafter=args.drafter, machine=results["machine"])
+        out["peak_memory_mib"] = round(mem.mib, 1)
+        out["seconds"] = round(time.time() - t, 1)
+        results["benchmarks"][name] = out
+        print(f"[bench] {name}: done in {out['seconds']} s", file=sys.stderr)
+    results["headline"] = suites.headline(results["benchmarks"])
+    results["total_seconds"] = round(time.time() - start, 1)
+    out_path = args.out or RESULTS / f"{results['date']}-{_machine_tag(results['machine'])}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=1))
+    suites.print_table(results)
+    print(f"\nwritten to {out_path} ({results['total_seconds']} s)")
+    return results
+
+
+def _machine_tag(m: dict) -> str:
+    kind = m.get("gpu") or f"cpu{m['cores']}"
+    return "".join(c if c.isalnum() else "-" for c in kind.lower()).strip("-")
