@@ -26,7 +26,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 class PeakMemory:
-    """Peak resident memory above the start (CPU, sampled) or peak CUDA allocation, in MiB."""
+    """Peak memory during a benchmark, in MiB: on CPU the process's peak resident set (sampled
+    every 5 ms; includes what earlier benchmarks left allocated), on CUDA the peak allocation
+    above what was allocated at the start."""
 
     def __init__(self, device: torch.device):
         self.device, self.peak, self._stop = device, 0, threading.Event()
@@ -57,7 +59,7 @@ class PeakMemory:
         else:
             self._stop.set()
             self.thread.join()
-            self.mib = max(0, max(self.peak, self._rss()) - self.base) / 2**20
+            self.mib = max(self.peak, self._rss()) / 2**20
         return False
 
 

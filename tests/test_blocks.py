@@ -100,3 +100,17 @@ def test_padded_batch_gives_each_sequence_its_own_result():
                                                              [anchors[1]], B, MASK))
     assert (out[1, 0] - alone[0, 0]).abs().max() < 1e-5
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_flex_attention_path_matches_the_dense_path_on_cpu():
+    """The block mask the GPU path compiles, checked on CPU (flex compiles for CPU too)."""
+    drafter = make_drafter(["sliding_attention", "full_attention"], 6)
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]),
+                         [torch.tensor([1, 7, 12, 13, 25, 29])], B, MASK)
+    with torch.no_grad():
+        dense = draft_packed(drafter, embed, feats, blocks, "sdpa")
+        flex = draft_packed(drafter, embed, feats, blocks, "flex")
+    assert (dense - flex).abs().max() < 1e-5
