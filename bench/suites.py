@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from bench import gpu
 from bench.run import timed
 from dflash import cache as fcache
 from dflash.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
@@ -280,8 +281,49 @@ def live(quick: bool, device, drafter: str | None, **_) -> dict:
             "plain_s": round(t_plain, 3), "speculative_s": round(t_spec, 3), "speedup": round(t_plain / t_spec, 3)}
 
 
+def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
+    """Held-out metrics of one trained drafter on the same features stored as float32, bf16 and fp8."""
+    if not drafter:
+        return {"skipped": "needs --drafter <trained drafter dir>: an untrained drafter scores tau 1 on any storage"}
+    from dflash.builders import load_drafter
+    from dflash.completions import generate_hf
+    from dflash.config import CompletionsConfig, EvalConfig
+    from dflash.data import build_sequence, encode, load_prompts, prompt_text
+    from dflash.evaluation import summarize, teacher_forced
+    from dflash.features import target_forward
+
+    name, target = _bench_target(device)
+    model = load_drafter(drafter).to(device).float().eval()
+    prompts = load_prompts("builtin:eval_coding", limit=3 if quick else 10)
+    comp = CompletionsConfig(max_new_tokens=128 if quick else 256, batch_size=1)
+    seqs = []
+    for p in prompts:
+        text = prompt_text(target.tokenizer, p, True, False)
+        done = generate_hf(target, [text], comp, target.stop_token_ids())[0]
+        seqs.append(build_sequence(p.id, encode(target.tokenizer, text), done["completion_ids"], 1 << 30))
+    feats = [target_forward(target, s.input_ids[None].to(device), model.target_layer_ids).features[0].cpu()
+             for s in seqs]
+    out = {"target": name, "drafter": drafter, "prompts": len(seqs)}
+    cfg = EvalConfig(ddtree_budgets=[8])
+    with tempfile.TemporaryDirectory() as tmp:
+        for storage in ("float32", "bfloat16", "float8_e4m3fn"):
+            root = Path(tmp) / storage
+            fcache.open_for_writing(root, {"format_version": 1, "layer_ids": model.target_layer_ids,
+                                           "storage": storage})
+            fcache.write_shard(root, 0, [s.id for s in seqs], [s.input_ids for s in seqs],
+                               [s.loss_mask for s in seqs], feats, storage, len(model.target_layer_ids))
+            fcache.finalize(root, 1)
+            records = teacher_forced(model, target.embed_tokens, target.lm_head,
+                                     fcache.FeatureCache(root, dtype=torch.float32), cfg)
+            m = summarize(records, model.block_size, [8])["metrics"]
+            out[storage] = {k: round(m[f"eval/{k}"], 4) for k in ("tau", "acc@1", "ddtree@8")}
+    out["fp8_tau_minus_bf16"] = round(out["float8_e4m3fn"]["tau"] - out["bfloat16"]["tau"], 4)
+    return out
+
+
 SUITES = {"train_step": train_step, "extraction": extraction, "bytes_per_token": bytes_per_token,
-          "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live}
+          "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live, "feature_storage": feature_storage,
+          "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels}
 
 GOALS = {
     "train_packed_over_loop@512": (">=", 10.0),
@@ -310,6 +352,8 @@ def headline(b: dict) -> dict:
         h["eval_blocks_per_s"] = b["eval_blocks"]["blocks_per_s"]
     if "live" in b:
         h["live_tokens_per_target_forward"] = b["live"]["tokens_per_target_forward"]
+    if "feature_storage" in b and "skipped" not in b["feature_storage"]:
+        h["fp8_minus_bf16_heldout_tau"] = b["feature_storage"]["fp8_tau_minus_bf16"]
     return h
 
 
@@ -326,90 +370,3 @@ def print_table(results: dict) -> None:
         print(f"{key:40s} {value:10.4g}  {mark}")
     for name, b in results["benchmarks"].items():
         print(f"  {name}: {b['seconds']} s, peak memory {b['peak_memory_mib']} MiB")
-
-
-def gpu_train_step(quick: bool, device, machine: dict, **_) -> dict:
-    """CUDA only: one packed training step at Qwen3-8B drafter dimensions (hidden 4096, 5 layers,
-    B=16, vocab 151936) on synthetic features; tokens/s and MFU against the bf16 peak."""
-    if device.type != "cuda":
-        return {"skipped": "needs CUDA"}
-    from transformers import Qwen3Config
-
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    drafter = DFlashDrafter(drafter_config(tcfg, num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33],
-                                           mask_token_id=151669)).to(device)
-    embed = torch.nn.Embedding(151936, 4096).to(device, torch.bfloat16).requires_grad_(False)
-    head = torch.nn.Linear(4096, 151936, bias=False).to(device, torch.bfloat16).requires_grad_(False)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-    out = {}
-    for n, L in ((512, 3072),) if quick else ((256, 2048), (512, 3072)):
-        g = torch.Generator().manual_seed(n)
-        ids = torch.randint(0, 150000, (1, L), generator=g)
-        mask = torch.ones(1, L, dtype=torch.bool)
-        blocks = pack_blocks(ids, mask, torch.tensor([L]), [sample_anchors(mask[0], n, g)], 16, 151669).to(device)
-        feats = torch.randn(1, L, 5 * 4096, device=device, dtype=torch.bfloat16)
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                hidden = draft_packed(drafter, embed, feats, blocks, backend="flex")
-                loss, w, _ = block_loss(hidden, head.weight, blocks.labels, blocks.label_mask, 7.0, 2**27)
-            (loss / w).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        from torch.utils.flop_counter import FlopCounterMode
-
-        step()  # compile flex for this shape
-        t = timed(step, repeat=5, warmup=1)
-        with FlopCounterMode(display=False) as fc:
-            step()
-        flops = fc.get_total_flops()
-        peak = 989e12  # H100/H200 dense bf16
-        out[f"anchors_{n}_len_{L}"] = {"step_s": round(t, 4), "context_tokens_per_s": round(L / t, 1),
-                                       "block_tokens_per_s": round(n * 16 / t, 1), "tflops": round(flops / t / 1e12, 1),
-                                       "mfu": round(flops / t / peak, 3)}
-    return out
-
-
-def gpu_extraction_kernels(quick: bool, device, **_) -> dict:
-    """CUDA only: features of a tiny hybrid target with fla kernels vs the PyTorch fallback."""
-    if device.type != "cuda":
-        return {"skipped": "needs CUDA"}
-    import importlib.util
-
-    if importlib.util.find_spec("fla") is None:
-        return {"skipped": "flash-linear-attention is not installed (pip install 'dflash[gpu]')"}
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    from dflash.builtin_targets import tiny_qwen3_5_config
-    from dflash.features import target_forward
-    from dflash.target import as_target
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_5_config(262), dtype=torch.bfloat16).to(device).eval()
-    target = as_target(model)
-    ids = torch.randint(0, 256, (8, 1024), device=device)
-    fla_t = timed(lambda: target_forward(target, ids, [1, 2, 3, 4, 5]), repeat=5)
-    fla_f = target_forward(target, ids, [1, 2, 3, 4, 5]).features.float()
-    module = sys.modules[type(next(m for m in model.modules() if "GatedDeltaNet" in type(m).__name__)).__module__]
-    saved = {k: getattr(module, k) for k in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")}
-    try:  # force the reference PyTorch path on the same weights
-        for k, fn in saved.items():
-            setattr(module, k, getattr(fn, "__wrapped__", fn))
-        ref_t = timed(lambda: target_forward(target, ids, [1, 2, 3, 4, 5]), repeat=5)
-        ref_f = target_forward(target, ids, [1, 2, 3, 4, 5]).features.float()
-    finally:
-        for k, fn in saved.items():
-            setattr(module, k, fn)
-    diff = (fla_f - ref_f).abs()
-    return {"kernels": target.kernels, "fla_s": round(fla_t, 4), "fallback_s": round(ref_t, 4),
-            "fallback_over_fla": round(ref_t / fla_t, 2), "max_abs_diff": diff.max().item(),
-            "mean_abs_diff": diff.mean().item(), "feature_rms": fla_f.pow(2).mean().sqrt().item()}
-
-
-SUITES["gpu_train_step"] = gpu_train_step
-SUITES["gpu_extraction_kernels"] = gpu_extraction_kernels

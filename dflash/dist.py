@@ -19,9 +19,12 @@ class Dist:
 
 def current() -> Dist:
     """This process's place in an `accelerate launch` (or a single process)."""
+    import torch
     from accelerate import PartialState
 
-    state = PartialState()
+    # cpu=True on machines without CUDA: otherwise accelerate does not start the gloo group
+    # and every process of an `accelerate launch` believes it is alone
+    state = PartialState(cpu=not torch.cuda.is_available())
     if state.num_processes == 1:
         return Dist()
     return Dist(state.process_index, state.num_processes, state.wait_for_everyone)

@@ -133,6 +133,7 @@ def write_cache(features: FeaturesConfig, target: Target, layer_ids: list[int], 
     tokens = sum(s.input_ids.numel() for k in mine for s in seqs[k * size:(k + 1) * size])
     if done:
         log.info("cache %s: %d of %d shards already written; resuming", root, len(done), num_shards)
+    log.info("process %d of %d extracts shards %s", dist.rank, dist.world, mine)
     bar = tqdm(total=tokens, desc=f"extract[{dist.rank}]", unit="tok", unit_scale=True, disable=None)
     for k in mine:
         part = seqs[k * size:(k + 1) * size]

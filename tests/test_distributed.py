@@ -55,11 +55,16 @@ def test_two_process_extraction_writes_the_same_cache(tmp_path):
                else [sys.executable])
         overrides = ["target=tiny_qwen3_5", "data=tiny", "data.completions.max_new_tokens=24",
                      "features.shard_sequences=3", f"features.dir={tmp_path}/{name}",
-                     f"data.completions.path={tmp_path}/{name}.jsonl"]
+                     # one set of completions for both (the 1-process run generates them), so the
+                     # comparison is about splitting the extraction, not about batched generation
+                     f"data.completions.path={tmp_path}/completions.jsonl"]
         env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
         r = subprocess.run(cmd + [str(REPO / "extract.py")] + overrides, cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
+        if procs == 2:  # each process took its own share of the shards
+            assert "process 0 of 2 extracts shards [0, 2, 4]" in r.stdout + r.stderr
+            assert "process 1 of 2 extracts shards [1, 3, 5]" in r.stdout + r.stderr
         return json.loads((tmp_path / name / "manifest.json").read_text())
 
     one, two = extract(1, "one"), extract(2, "two")

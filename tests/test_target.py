@@ -106,3 +106,29 @@ def test_tokenizer_fingerprint_ignores_call_time_settings(tiny_targets):
         assert tokenizer_fingerprint(tok) == before
     finally:
         tok.padding_side = side
+
+
+def test_composite_qwen3_5_checkpoint_loads_its_text_part(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (text + vision, as Qwen publishes them)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash.builtin_targets import tiny_qwen3_5_config
+    from dflash.config import TargetConfig
+    from dflash.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=tiny_qwen3_5_config(len(tok)).to_dict(),
+                                                         vision_config=vision)).eval()
+    full.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = TargetConfig(name="composite", path=str(tmp_path), mask_token_id=261, dtype="float32")
+    target = load_target(cfg, torch.device("cpu"))
+    assert target.num_layers == 8 and target.is_hybrid and target.kernels["linear_attention"] == "torch_fallback"
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(full(input_ids=ids).logits, target.model(input_ids=ids).logits)
+    heads = load_target(cfg, torch.device("cpu"), heads_only=True)
+    assert heads.model is None and torch.equal(heads.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
