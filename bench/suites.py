@@ -259,8 +259,10 @@ def live(quick: bool, device, drafter: str | None, **_) -> dict:
         torch.manual_seed(0)
         model = build_drafter(DrafterConfig(num_layers=1, block_size=16), LayersConfig(num=5), target).to(device)
         kind = "random (untrained): tokens/forward here is the floor, not a quality figure"
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(10, target.vocab_size, (1, 32), generator=g).to(device) for _ in range(2 if quick else 4)]
+    from dflash.data import encode, load_prompts, prompt_text
+
+    prompts = [torch.tensor([encode(target.tokenizer, prompt_text(target.tokenizer, p, True, False))], device=device)
+               for p in load_prompts("builtin:eval_coding", limit=2 if quick else 5)]
     new = 48 if quick else 128
     t0 = time.perf_counter()
     for p in prompts:
@@ -276,7 +278,7 @@ def live(quick: bool, device, drafter: str | None, **_) -> dict:
         verifies += len(res.acceptance_lengths)
         taus += res.acceptance_lengths
     t_spec = time.perf_counter() - t0
-    return {"target": name, "drafter": kind, "tokens": tokens, "tau": round(sum(taus) / len(taus), 3),
+    return {"target": name, "drafter": kind, "prompts": "builtin:eval_coding", "tokens": tokens, "tau": round(sum(taus) / len(taus), 3),
             "tokens_per_target_forward": round(tokens / forwards, 3), "tokens_per_verify": round(tokens / verifies, 3),
             "plain_s": round(t_plain, 3), "speculative_s": round(t_spec, 3), "speedup": round(t_plain / t_spec, 3)}
 
