@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash.blocks import draft_packed, eligible_anchors, pack_blocks
-from dflash.cache import FeatureCache
+from dflash.cache import CacheError, FeatureCache
 from dflash.config import JobConfig
 from dflash.ddtree import ddtree_tau
 from dflash.metrics import streaks, tau_histogram
@@ -29,24 +29,31 @@ log = logging.getLogger(__name__)
 ANCHORS_PER_FORWARD = 256
 
 
-def eval_dirs(job: JobConfig, layer_ids: list[int]) -> tuple[Path, Path]:
+def eval_dirs(job: JobConfig, target, layer_ids: list[int]) -> tuple[Path, Path]:
     """(features dir, completions file) of the held-out set; by default under cache/<target>/.
 
-    The features dir is per layer set (drafters compared side by side may read different
-    layers); the greedy completions are shared by all of them.
+    Keyed by a hash of the target's weights, tokenizer and dtype (so another checkpoint or dtype
+    under the same preset name gets its own set), the prompts and completion length; the
+    features dir is per layer set (drafters compared side by side may read different layers).
     """
+    import hashlib
+    import json
+
+    from dflash.extraction import target_signature
+
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(job.eval.prompts.removeprefix("builtin:")).stem)
-    base = Path(job.features.dir).parent.parent / f"eval-{name}-n{job.eval.max_new_tokens}"
+    sig = hashlib.sha256(json.dumps(target_signature(target), sort_keys=True).encode()).hexdigest()[:8]
+    base = Path(job.features.dir).parent.parent / f"eval-{name}-n{job.eval.max_new_tokens}-{sig}"
     layers = "L" + "-".join(map(str, layer_ids))
     features = Path(job.eval.features_dir) / layers if job.eval.features_dir else base / f"features-{layers}"
     completions = Path(job.eval.completions_path) if job.eval.completions_path else base / "completions.jsonl"
     return features, completions
 
 
-def eval_job(job: JobConfig, layer_ids: list[int]) -> JobConfig:
+def eval_job(job: JobConfig, target, layer_ids: list[int]) -> JobConfig:
     """The job that extracts the held-out set: same target, `layer_ids`, eval prompts, greedy
     completions of eval.max_new_tokens generated one prompt at a time (no padding), untruncated."""
-    features_dir, completions = eval_dirs(job, layer_ids)
+    features_dir, completions = eval_dirs(job, target, layer_ids)
     source = "cached" if job.eval.completions_path else (
         "server" if job.data.completions.source == "server" else "hf")
     comp = replace(job.data.completions, source=source, path=str(completions),
@@ -57,22 +64,30 @@ def eval_job(job: JobConfig, layer_ids: list[int]) -> JobConfig:
                    features=replace(job.features, dir=str(features_dir), storage="float32"))
 
 
-def eval_cache_ready(job: JobConfig, layer_ids: list[int]) -> bool:
+def eval_cache_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
     from dflash.extraction import cache_is_complete
 
-    return cache_is_complete(eval_job(job, layer_ids).features)
+    return cache_is_complete(eval_job(job, target, layer_ids).features)
 
 
-def ensure_eval_cache(job: JobConfig, layer_ids: list[int], target, dist) -> None:
+def ensure_eval_cache(job: JobConfig, target, layer_ids: list[int], dist) -> None:
     from dflash.extraction import extract_with
 
-    if not eval_cache_ready(job, layer_ids):
-        log.info("extracting the held-out set %s into %s", job.eval.prompts, eval_dirs(job, layer_ids)[0])
-        extract_with(eval_job(job, layer_ids), target, dist)
+    if not eval_cache_ready(job, target, layer_ids):
+        log.info("extracting the held-out set %s into %s", job.eval.prompts, eval_dirs(job, target, layer_ids)[0])
+        extract_with(eval_job(job, target, layer_ids), target, dist)
 
 
-def load_eval_set(job: JobConfig, layer_ids: list[int]) -> FeatureCache:
-    return FeatureCache(eval_dirs(job, layer_ids)[0], dtype=torch.float32)
+def load_eval_set(job: JobConfig, target, layer_ids: list[int]) -> FeatureCache:
+    """The held-out features; refused if the target now runs other kernels than made them."""
+    from dflash.target import kernel_backend
+
+    cache = FeatureCache(eval_dirs(job, target, layer_ids)[0], dtype=torch.float32)
+    now = kernel_backend(target.kernels) if target.kernels else None
+    if now is not None and cache.manifest["kernel_backend"] != now:
+        raise CacheError(f"held-out features in {cache.root} were made with kernels {cache.manifest['kernel_backend']}"
+                         f" but the target now runs {now}; delete {cache.root} to recompute them with these kernels")
+    return cache
 
 
 @torch.no_grad()
@@ -192,13 +207,27 @@ def find_run(job: JobConfig, checkpoint: str) -> Path | None:
     return latest_run(root)
 
 
+def _check_trained_on(job: JobConfig, path: Path, label: str, features: dict, what: str, extra: dict) -> None:
+    """The provenance guard: `features` must match what the drafter at `path` was trained on."""
+    from dflash import checkpoint as ckpt
+    from dflash.provenance import check_provenance
+
+    manifest = ckpt.training_manifest(path)
+    if manifest is None:
+        log.warning("drafter %s carries no training manifest (not trained by dflash): provenance of its features "
+                    "cannot be checked", path)
+        return
+    extra.setdefault("provenance_allowed", {})[label] = check_provenance(
+        manifest, features, job.provenance.allow_mismatch, expected_name=f"drafter {label}'s training features",
+        actual_name=what)
+
+
 def evaluate(job: JobConfig) -> dict:
     """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set."""
     from dflash import checkpoint as ckpt
     from dflash.builders import check_fits, load_drafter
     from dflash.dist import current
     from dflash.plots import save_plots
-    from dflash.provenance import check_provenance
     from dflash.reporting import log_eval, print_summary
     from dflash.runlog import RunLogger, setup_logging
     from dflash.target import load_target
@@ -220,20 +249,18 @@ def evaluate(job: JobConfig) -> dict:
     summaries, extra = {}, {"checkpoint": str(path), "step": step, "mode": job.eval.mode}
     for label, (p, drafter) in drafters.items():
         if job.eval.mode == "live":
+            from dflash.extraction import target_signature
             from dflash.live import live_eval
+            from dflash.target import kernel_backend
 
+            live_features = {**target_signature(target), "layer_ids": drafter.target_layer_ids,
+                             "kernel_backend": kernel_backend(target.kernels)}
+            _check_trained_on(job, p, label, live_features, "the live target's features", extra)
             records, summary = live_eval(job, drafter, target)
         else:
-            ensure_eval_cache(job, drafter.target_layer_ids, target, dist)
-            eval_set = load_eval_set(job, drafter.target_layer_ids)
-            manifest = ckpt.training_manifest(p)
-            if manifest is not None:
-                extra.setdefault("provenance_allowed", {})[label] = check_provenance(
-                    manifest, eval_set.manifest, job.provenance.allow_mismatch,
-                    expected_name=f"drafter {label}'s training features", actual_name="the held-out features")
-            else:
-                log.warning("drafter %s carries no training manifest (not trained by dflash): provenance of its "
-                            "features cannot be checked", p)
+            ensure_eval_cache(job, target, drafter.target_layer_ids, dist)
+            eval_set = load_eval_set(job, target, drafter.target_layer_ids)
+            _check_trained_on(job, p, label, eval_set.manifest, "the held-out features", extra)
             records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
             summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
         summaries[label] = summary

@@ -91,18 +91,23 @@ def prepare_sequences(data: DataConfig, target: Target, store: Path, dist: Dist,
     return Prepared(sequences, info)
 
 
+def target_signature(target: Target) -> dict:
+    """What features depend on besides layers and kernels: the weights, tokenizer and dtype
+    (available from the heads alone, so offline training can check a cache without the model)."""
+    return {"target": target_identity(target), "tokenizer": tokenizer_fingerprint(target.tokenizer),
+            "dtype": str(target.dtype).removeprefix("torch.")}
+
+
 def features_manifest(target: Target, layer_ids: list[int], storage: str, max_length: int, data_info: dict,
                       shard_sequences: int) -> dict:
     """The provenance manifest of features computed now by `target` (DESIGN §3)."""
     report = backend_report(target)
     return {
         "format_version": fcache.FORMAT_VERSION,
-        "target": target_identity(target),
+        **target_signature(target),
         "target_path": target.path,
-        "tokenizer": tokenizer_fingerprint(target.tokenizer),
         "layer_ids": list(layer_ids),
         "hidden_size": target.hidden_size,
-        "dtype": report["dtype"],
         "storage": storage,
         "kernel_backend": report["kernel_backend"],
         "kernels": report["kernels"],

@@ -27,14 +27,15 @@ def _show(value) -> str:
 
 
 def check_provenance(expected: dict, actual: dict, allow: list[str] | tuple = (), *,
-                     expected_name: str = "the checkpoint", actual_name: str = "the features") -> list[str]:
+                     expected_name: str = "the checkpoint", actual_name: str = "the features",
+                     fields: tuple = GUARDED_FIELDS) -> list[str]:
     """Compare the guarded fields of two manifests.
 
     Raises ProvenanceError naming every differing field that is not in `allow`, with both
     values and the override. Returns the allowed fields that differed (logged as warnings)
-    so callers can record them.
+    so callers can record them. `fields` narrows the check to what `expected` knows.
     """
-    differing = [f for f in GUARDED_FIELDS if expected.get(f) != actual.get(f)]
+    differing = [f for f in fields if expected.get(f) != actual.get(f)]
     refused = [f for f in differing if f not in allow]
     if refused:
         lines = [f"  {f}: {_show(expected.get(f))} in {expected_name}, {_show(actual.get(f))} in {actual_name}"

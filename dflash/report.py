@@ -85,43 +85,25 @@ def summary_row(run: dict) -> dict:
 
 
 def make_plots(runs: list[dict], out: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """held-out tau, train loss and train tau against step (all runs), and per-position accuracy
+    at each run's best checkpoint."""
+    from dflash.plots import acc_curve, line_plot
 
     plots = {}
-    for key, title, source in (("eval/tau", "held-out tau", "eval"), ("train/loss", "train loss", "train"),
-                               ("train/tau", "train tau", "train")):
-        fig, ax = plt.subplots(figsize=(6, 4))
+    for key, title, marker in (("eval/tau", "held-out tau", "o"), ("train/loss", "train loss", None),
+                               ("train/tau", "train tau", None)):
+        curves = {}
         for r in runs:
-            pts = [(m["step"], m[key]) for m in r["metrics"] if key in m and isinstance(m[key], (int, float))]
+            pts = [(m["step"], m[key]) for m in r["metrics"] if isinstance(m.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), marker="o" if source == "eval" else None, label=r["name"])
-        ax.set(xlabel="train step", ylabel=key, title=title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+                curves[r["name"]] = tuple(map(list, zip(*pts)))
         name = key.replace("/", "_")
-        plots[name] = out / f"{name}.png"
-        fig.savefig(plots[name], dpi=110)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        row = summary_row(r)
-        if row["best_step"] is None:
-            continue
-        s = r["evals"][row["best_step"]]
-        B = s["block_size"]
-        ax.plot(range(1, B), [s["metrics"][f"eval/acc@{k}"] for k in range(1, B)], marker="o",
-                label=f"{r['name']} (step {row['best_step']})")
-    ax.set(xlabel="block slot k", ylabel="accuracy", ylim=(0, 1.02), title="per-position accuracy at best checkpoint")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plots["acc_per_position"] = out / "acc_per_position.png"
-    fig.savefig(plots["acc_per_position"], dpi=110)
-    plt.close(fig)
+        plots[name] = line_plot(out / f"{name}.png", curves, "train step", key, title, marker=marker)
+    best = {r["name"]: summary_row(r)["best_step"] for r in runs}
+    curves = {f"{r['name']} (step {best[r['name']]})": acc_curve(r["evals"][best[r["name"]]])
+              for r in runs if best[r["name"]] is not None}
+    plots["acc_per_position"] = line_plot(out / "acc_per_position.png", curves, "block slot k", "accuracy",
+                                          "per-position accuracy at best checkpoint", (0, 1.02))
     return plots
 
 

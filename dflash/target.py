@@ -180,11 +180,11 @@ def kernel_backend(report: dict) -> str:
 
 def ensure_built(cfg: TargetConfig) -> None:
     """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine)."""
-    if cfg.build is None or (Path(cfg.path) / "config.json").exists():
+    dest = Path(cfg.path).expanduser()
+    if cfg.build is None or (dest / "config.json").exists():
         return
     from dflash import builtin_targets
 
-    dest = Path(cfg.path).expanduser()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     log.info("building target %s into %s", cfg.build, dest)

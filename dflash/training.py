@@ -99,15 +99,15 @@ def prepare_data(job: JobConfig, accelerator, dist: Dist):
     target = load_target(job.target, accelerator.device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
     need_full = not offline or not extraction.cache_is_complete(job.features) or not evaluation.eval_cache_ready(
-        job, layer_ids)
+        job, target, layer_ids)
     if need_full and target.model is None:
         target = load_target(job.target, accelerator.device)
     if offline and not extraction.cache_is_complete(job.features):
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extraction.extract_with(job, target, dist)
     if need_full:
-        evaluation.ensure_eval_cache(job, layer_ids, target, dist)
-    eval_set = evaluation.load_eval_set(job, layer_ids) if dist.is_main else None
+        evaluation.ensure_eval_cache(job, target, layer_ids, dist)
+    eval_set = evaluation.load_eval_set(job, target, layer_ids) if dist.is_main else None
     if offline:
         cache = FeatureCache(job.features.dir, dtype=torch.float32)
         manifest = cache.manifest
@@ -115,6 +115,12 @@ def prepare_data(job: JobConfig, accelerator, dist: Dist):
         if manifest["layer_ids"] != layer_ids:
             raise ConfigError(f"features.dir={job.features.dir} holds layers {manifest['layer_ids']} but the drafter "
                               f"reads {layer_ids}; set features.dir to a new directory or change layers")
+        # a cache of another target, tokenizer or dtype is refused (kernels are checked where the
+        # model runs: at evaluation, and against the checkpoint on resume)
+        check_provenance({**extraction.target_signature(target), "layer_ids": layer_ids}, manifest,
+                         job.provenance.allow_mismatch, expected_name=f"target {job.target.name}",
+                         actual_name=f"the feature cache {job.features.dir}",
+                         fields=("target", "tokenizer", "dtype", "layer_ids"))
         if need_full:  # the full target was only needed for extraction: keep just its heads
             target.model = target.layers = target.final_norm = None
             gc.collect()
@@ -225,7 +231,7 @@ class Loop:
         bar = tqdm(total=self.total, initial=self.state.step, desc="train", unit="step",
                    disable=not acc.is_main_process or None)
         micro: list = []
-        self.window_start = time.time()
+        self.window_start = self.last_line = time.time()
         if job.eval.at_start and self.state.step == 0:
             self.evaluate()
         for batch in loader:
@@ -238,7 +244,12 @@ class Loop:
             bar.update(1)
             step = self.state.step
             if step % job.train.log_every == 0 or step == self.total:
-                bar.set_postfix(loss=f"{self.log_window():.4f}")
+                row = self.log_window()
+                bar.set_postfix(loss=f"{row['train/loss']:.4f}", tau=f"{row['train/tau']:.2f}")
+                if bar.disable and time.time() - self.last_line > 30:  # no live bar (not a terminal): a line
+                    self.last_line = time.time()
+                    log.info("step %d/%d  loss %.4f  train tau %.2f  lr %.2e  %.0f tokens/s", step, self.total,
+                             row["train/loss"], row["train/tau"], row["train/lr"], row["train/tokens_per_s"])
             is_eval = job.eval.every and step % job.eval.every == 0 and step != self.total
             if step % job.train.save_every == 0 and step != self.total or is_eval:
                 self.save(evaluate=bool(is_eval))
@@ -319,8 +330,8 @@ class Loop:
                 f"{batch.ids}); stopping, {kept}. Lower optim.lr, check those sequences' features, or resume "
                 f"from the last checkpoint with train.resume=latest")
 
-    def log_window(self) -> float:
-        """Reduce the window's sums over processes and log train/* metrics; returns the loss."""
+    def log_window(self) -> dict:
+        """Reduce the window's sums over processes and log train/* metrics; returns them."""
         acc, w = self.acc, self.state.window
         sums = torch.tensor([w["loss_sum"], w["tokens"], w["anchors"]], dtype=torch.float64, device=acc.device)
         counts = {k: v.to(acc.device) for k, v in w["counts"].items()}
@@ -337,7 +348,7 @@ class Loop:
         self.logger.log(out, self.state.step)
         self.state.window = {}
         self.window_start = time.time()
-        return out["train/loss"]
+        return out
 
     def save(self, evaluate: bool) -> None:
         """Checkpoint (main process writes, atomically), then the held-out eval if asked."""

@@ -69,8 +69,8 @@ def test_oracle_drafter_gets_tau_B_and_random_drafter_about_1(trained, tiny_targ
     tmp, _ = trained
     target = tiny_targets["tiny_qwen3"]
     job = eval_job(tmp, "eval.max_prompts=1")
-    ensure_eval_cache(job, [1, 3], target, Dist())
-    eval_set = load_eval_set(job, [1, 3])
+    ensure_eval_cache(job, target, [1, 3], Dist())
+    eval_set = load_eval_set(job, target, [1, 3])
     ids, _, _ = eval_set[0]
     oracle = OracleDrafter(target, ids.tolist(), layer_ids=(1, 3))
     assert oracle.check_head()
@@ -141,6 +141,8 @@ def test_features_from_another_backend_are_refused_unless_allowed(trained):
     with pytest.raises(ProvenanceError, match=r"(?s)kernel_backend: .*flash_attention_2.*full_attention=sdpa.*"
                                               r"provenance.allow_mismatch=\[kernel_backend\]"):
         evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4"))
+    with pytest.raises(ProvenanceError, match="the live target's features"):  # live decoding is guarded too
+        evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4", "eval=live", "eval.max_new_tokens=8"))
     evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4", "provenance.allow_mismatch=[kernel_backend]"))
     summary = json.loads((bad / "eval/step-000004/summary.json").read_text())
     assert summary["provenance_allowed"] == {"step4": ["kernel_backend"]}

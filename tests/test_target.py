@@ -132,3 +132,19 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_part(tmp_path):
     heads = load_target(cfg, torch.device("cpu"), heads_only=True)
     assert heads.model is None and torch.equal(heads.embed_tokens.weight, target.embed_tokens.weight)
     assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
+
+
+def test_builtin_target_under_home_is_built_once(tmp_path, monkeypatch):
+    """The preset path starts with ~; it must be expanded before checking whether it exists."""
+    from dflash import builtin_targets
+    from dflash.config import TargetConfig
+    from dflash.target import ensure_built
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    calls = []
+    real = builtin_targets.build
+    monkeypatch.setattr(builtin_targets, "build", lambda name, dest: (calls.append(name), real(name, dest)))
+    cfg = TargetConfig(name="t", path="~/.cache/dflash/targets/tiny_qwen3", build="tiny_qwen3", mask_token_id=261)
+    ensure_built(cfg)
+    ensure_built(cfg)
+    assert calls == ["tiny_qwen3"] and (tmp_path / ".cache/dflash/targets/tiny_qwen3/config.json").exists()

@@ -149,3 +149,13 @@ def test_online_mode_matches_offline_mode(workdir):
     a = [r["train/loss"] for r in metrics(off) if "train/loss" in r]
     b = [r["train/loss"] for r in metrics(on) if "train/loss" in r]
     assert len(a) == 3 and all(abs(x - y) < 1e-4 for x, y in zip(a, b)), (a, b)
+
+
+def test_cache_of_another_target_is_refused(workdir):
+    from dflash.provenance import ProvenanceError
+
+    train(job_for(workdir, "q3", "train.max_steps=1", f"features.dir={workdir}/cache-q3/features",
+                  target="tiny_qwen3"))
+    with pytest.raises(ProvenanceError, match=r"(?s)target: .*in target tiny_qwen3_5.*in the feature cache.*"
+                                              r"allow_mismatch=\[target\]"):
+        train(job_for(workdir, "q35-on-q3", "train.max_steps=1", f"features.dir={workdir}/cache-q3/features"))
