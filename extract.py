@@ -8,7 +8,7 @@
 
 import hydra
 
-from dflash.cli import to_job
+from dflash.cli import run, to_job
 from dflash.config import register_configs
 
 register_configs()
@@ -19,7 +19,7 @@ def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
     from dflash.extraction import extract
 
-    extract(job)
+    run(extract, job)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 
 import hydra
 
-from dflash.cli import to_job
+from dflash.cli import run, to_job
 from dflash.config import register_configs
 
 register_configs()
@@ -21,7 +21,7 @@ def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
     from dflash.training import train
 
-    train(job)
+    run(train, job)
 
 
 if __name__ == "__main__":

@@ -31,3 +31,26 @@ def to_job(cfg: DictConfig) -> JobConfig:
 def fail(error: Exception) -> None:
     log.error("%s", error)
     sys.exit(2)
+
+
+def _explained() -> tuple[type, ...]:
+    """Errors whose message already names the thing and the fix: shown without a traceback."""
+    from dflash.cache import CacheError
+    from dflash.checkpoint import CheckpointError
+    from dflash.completions import CompletionsError
+    from dflash.live import LosslessError
+    from dflash.provenance import ProvenanceError
+    from dflash.training import TrainingError
+
+    return (ConfigError, CacheError, CheckpointError, CompletionsError, LosslessError, ProvenanceError,
+            TrainingError, FileNotFoundError)
+
+
+def run(fn, job: JobConfig):
+    """fn(job); an explained error exits with its message (set DFLASH_TRACEBACK=1 for the trace)."""
+    try:
+        return fn(job)
+    except Exception as e:
+        if not os.environ.get("DFLASH_TRACEBACK") and isinstance(e, _explained()):
+            fail(e)
+        raise

@@ -63,6 +63,12 @@ def test_bad_value_exits_with_the_key_named():
     assert result.returncode == 2 and "drafter.block_size=1" in result.stderr + result.stdout
 
 
+def test_explained_errors_print_one_message_without_a_traceback(tmp_path):
+    result = run_entry("evaluate.py", "run.name=nope", f"run.root={tmp_path}", "logger=none")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2 and "no run 'nope'" in out and "Traceback" not in out
+
+
 @pytest.mark.parametrize("entry", ["train.py", "evaluate.py", "extract.py"])
 def test_cfg_job_prints_the_config(entry):
     result = run_entry(entry, "--cfg", "job")
