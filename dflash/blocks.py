@@ -183,7 +183,7 @@ def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBl
     """
     masks = packed_attention_masks(blocks, drafter.layer_types, drafter.config.sliding_window, backend)
     noise = embed_tokens(blocks.input_ids).to(features.dtype)
-    hidden = (model or drafter)(noise, features, blocks.position_ids, attention_mask=masks)
+    hidden = (drafter if model is None else model)(noise, features, blocks.position_ids, attention_mask=masks)
     b, n = blocks.anchors.shape
     return hidden.view(b, n, blocks.block_size, -1)
 

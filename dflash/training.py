@@ -356,7 +356,8 @@ class Loop:
         if self.state.window:
             self.log_window()
         summary = self.evaluate() if evaluate else None
-        state_dict = acc.get_state_dict(self.model)
+        # the z-lab names: without DDP/FSDP wrappers (get_state_dict) and torch.compile's prefix
+        state_dict = {k.replace("_orig_mod.", ""): v for k, v in acc.get_state_dict(self.model).items()}
         if acc.is_main_process:
             tau = summary["metrics"]["eval/tau"] if summary else None
             if tau is not None and (self.state.best_tau is None or tau > self.state.best_tau):

@@ -159,3 +159,13 @@ def test_cache_of_another_target_is_refused(workdir):
     with pytest.raises(ProvenanceError, match=r"(?s)target: .*in target tiny_qwen3_5.*in the feature cache.*"
                                               r"allow_mismatch=\[target\]"):
         train(job_for(workdir, "q35-on-q3", "train.max_steps=1", f"features.dir={workdir}/cache-q3/features"))
+
+
+@pytest.mark.slow
+def test_compiled_drafter_trains_and_saves_the_zlab_layout(workdir):
+    from dflash.builders import load_drafter
+
+    run = train(job_for(workdir, "compiled", "train.max_steps=2", "train.compile=true"))
+    ckpt = run / "checkpoints/step-000002"
+    assert all(not k.startswith("_orig_mod") for k in load_file(ckpt / "model.safetensors"))
+    assert load_drafter(str(ckpt)).target_layer_ids == [1, 2, 3, 4, 5]
