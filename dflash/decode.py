@@ -130,7 +130,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
                          "states cannot follow several branches in one forward. Use tree_budget=None")
     drafter.eval()
     stops = set(stop_token_ids or [])
-    layer_ids, B = drafter.target_layer_ids, drafter.block_size
+    layer_ids = drafter.target_layer_ids
     embed, head = target.embed_tokens, target.lm_head
     cache, dcache = _new_cache(target), drafter.new_cache()
     prompt_len = input_ids.shape[1]
