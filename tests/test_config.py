@@ -75,9 +75,15 @@ def test_cfg_job_prints_the_config(entry):
     assert result.returncode == 0 and "target:" in result.stdout and "drafter:" in result.stdout
 
 
-def run_entry(script, *args):
+def test_entry_points_write_no_log_file_in_the_working_directory(tmp_path):
+    """Hydra's default job logging would append a <job>.log to the cwd on every call."""
+    result = run_entry("train.py", "drafter.block_size=1", cwd=tmp_path)
+    assert result.returncode == 2 and list(tmp_path.iterdir()) == []
+
+
+def run_entry(script, *args, cwd=REPO):
     return subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+                          cwd=cwd, timeout=120)
 
 
 @pytest.mark.parametrize("make,needle", [
