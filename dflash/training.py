@@ -98,11 +98,11 @@ def prepare_data(job: JobConfig, accelerator, dist: Dist):
     offline = job.train.mode == "offline"
     target = load_target(job.target, accelerator.device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
-    need_full = not offline or not extraction.cache_is_complete(job.features) or not evaluation.eval_cache_ready(
-        job, target, layer_ids)
+    cache_missing = offline and not extraction.cache_is_complete(job.features)
+    need_full = not offline or cache_missing or not evaluation.eval_cache_ready(job, target, layer_ids)
     if need_full and target.model is None:
         target = load_target(job.target, accelerator.device)
-    if offline and not extraction.cache_is_complete(job.features):
+    if cache_missing:
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extraction.extract_with(job, target, dist)
     if need_full:
