@@ -18,7 +18,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
-    from dflash.evaluation import evaluate
+    from dflash.evaluate.runner import evaluate
 
     run(evaluate, job)
 

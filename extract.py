@@ -17,7 +17,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="extract")
 def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
-    from dflash.extraction import extract
+    from dflash.data.extraction import extract
 
     run(extract, job)
 

@@ -19,7 +19,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
-    from dflash.training import train
+    from dflash.train.loop import train
 
     run(train, job)
 

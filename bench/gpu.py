@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from bench.run import timed
-from dflash.blocks import draft_packed, pack_blocks, sample_anchors
-from dflash.loss import block_loss
-from dflash.model import DFlashDrafter, drafter_config
+from bench.measure import timed
+from dflash.drafter.blocks import draft_packed, pack_blocks, sample_anchors
+from dflash.drafter.loss import block_loss
+from dflash.drafter.model import DFlashDraftModel, drafter_config
 
 
 def gpu_train_step(quick: bool, device, machine: dict, **_) -> dict:
@@ -21,7 +21,7 @@ def gpu_train_step(quick: bool, device, machine: dict, **_) -> dict:
     torch.manual_seed(0)
     tcfg = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    drafter = DFlashDrafter(drafter_config(tcfg, num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33],
+    drafter = DFlashDraftModel(drafter_config(tcfg, num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33],
                                            mask_token_id=151669)).to(device)
     embed = torch.nn.Embedding(151936, 4096).to(device, torch.bfloat16).requires_grad_(False)
     head = torch.nn.Linear(4096, 151936, bias=False).to(device, torch.bfloat16).requires_grad_(False)
@@ -68,9 +68,9 @@ def gpu_extraction_kernels(quick: bool, device, **_) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from dflash.builtin_targets import tiny_qwen3_5_config
-    from dflash.features import target_forward
-    from dflash.target import as_target
+    from dflash.target.builtin import tiny_qwen3_5_config
+    from dflash.target.features import target_forward
+    from dflash.target.loading import as_target
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_qwen3_5_config(262), dtype=torch.bfloat16).to(device).eval()

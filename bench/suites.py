@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from bench import gpu
-from bench.run import timed
-from dflash import cache as fcache
-from dflash.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
-from dflash.loss import block_loss, slot_weights
-from dflash.model import DFlashDrafter, drafter_config
+from bench.measure import timed
+from dflash.data import cache as fcache
+from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
+from dflash.drafter.loss import block_loss, slot_weights
+from dflash.drafter.model import DFlashDraftModel, drafter_config
 
 # Qwen3-8B feature shape: 5 target layers x hidden 4096
 REAL_LAYERS, REAL_HIDDEN = 5, 4096
@@ -25,7 +25,7 @@ def _synthetic(hidden=128, vocab=2048, layers=2, block=16, n_target=5, seed=0, d
     torch.manual_seed(seed)
     tcfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=8,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
-    drafter = DFlashDrafter(drafter_config(tcfg, num_layers=layers, block_size=block,
+    drafter = DFlashDraftModel(drafter_config(tcfg, num_layers=layers, block_size=block,
                                            target_layer_ids=list(range(1, n_target + 1)), mask_token_id=vocab - 1))
     embed = torch.nn.Embedding(vocab, hidden).requires_grad_(False)
     head = torch.nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
@@ -88,7 +88,7 @@ def _bench_target(device):
     import os
 
     from dflash.config import TargetConfig
-    from dflash.target import load_target
+    from dflash.target.loading import load_target
 
     home = os.environ.get("DFLASH_HOME", str(Path("~/.cache/dflash").expanduser()))
     for name, build, mask in (("toy", "toy", 5), ("tiny_qwen3_5", "tiny_qwen3_5", 261)):
@@ -104,7 +104,7 @@ def _bench_target(device):
 
 def extraction(quick: bool, device, **_) -> dict:
     """target_forward (hooks, concat, copy to host) over a plain forward on the same batches."""
-    from dflash.features import target_forward
+    from dflash.target.features import target_forward
 
     name, target = _bench_target(device)
     layer_ids = [1, 2, 3, 4, 5]
@@ -220,7 +220,7 @@ def cache_read(quick: bool, device, **_) -> dict:
 def eval_blocks(quick: bool, device, **_) -> dict:
     """Teacher-forced evaluation throughput (packed forward, top-k, records)."""
     from dflash.config import EvalConfig
-    from dflash.evaluation import summarize, teacher_forced
+    from dflash.evaluate.teacher_forced import summarize, teacher_forced
 
     drafter, embed, head = _synthetic(device=device)
     g = torch.Generator().manual_seed(2)
@@ -247,9 +247,9 @@ def eval_blocks(quick: bool, device, **_) -> dict:
 
 def live(quick: bool, device, drafter: str | None, **_) -> dict:
     """Real speculative decoding: tokens per target forward and wall time against plain decoding."""
-    from dflash.builders import build_drafter, load_drafter
+    from dflash.drafter.build import build_drafter, load_drafter
     from dflash.config import DrafterConfig, LayersConfig
-    from dflash.decode import greedy_generate, speculative_generate
+    from dflash.evaluate.decode import greedy_generate, speculative_generate
 
     name, target = _bench_target(device)
     if drafter:
@@ -259,7 +259,7 @@ def live(quick: bool, device, drafter: str | None, **_) -> dict:
         torch.manual_seed(0)
         model = build_drafter(DrafterConfig(num_layers=1, block_size=16), LayersConfig(num=5), target).to(device)
         kind = "random (untrained): tokens/forward here is the floor, not a quality figure"
-    from dflash.data import encode, load_prompts, prompt_text
+    from dflash.data.prompts import encode, load_prompts, prompt_text
 
     prompts = [torch.tensor([encode(target.tokenizer, prompt_text(target.tokenizer, p, True, False))], device=device)
                for p in load_prompts("builtin:eval_coding", limit=2 if quick else 5)]
@@ -287,12 +287,13 @@ def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
     """Held-out metrics of one trained drafter on the same features stored as float32, bf16 and fp8."""
     if not drafter:
         return {"skipped": "needs --drafter <trained drafter dir>: an untrained drafter scores tau 1 on any storage"}
-    from dflash.builders import load_drafter
-    from dflash.completions import generate_hf
+    from dflash.drafter.build import load_drafter
+    from dflash.data.completions import generate_hf
     from dflash.config import CompletionsConfig, EvalConfig
-    from dflash.data import build_sequence, encode, load_prompts, prompt_text
-    from dflash.evaluation import summarize, teacher_forced
-    from dflash.features import target_forward
+    from dflash.data.prompts import encode, load_prompts, prompt_text
+    from dflash.data.sequences import build_sequence
+    from dflash.evaluate.teacher_forced import summarize, teacher_forced
+    from dflash.target.features import target_forward
 
     name, target = _bench_target(device)
     model = load_drafter(drafter).to(device).float().eval()

@@ -1,4 +1,4 @@
-"""Shared start-up of the Hydra entry points: typed config, logging, clean config errors."""
+"""Shared start-up of the Hydra entry points: typed config, logging, errors people can act on."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import ConfigError, JobConfig
+from dflash.errors import ConfigError, DFlashError
 
 log = logging.getLogger("dflash")
 
 
-def to_job(cfg: DictConfig) -> JobConfig:
-    """DictConfig -> JobConfig, running every __post_init__ check; a bad value exits with its message."""
+def to_job(cfg: DictConfig):
+    """DictConfig -> its dataclass (JobConfig, ReportConfig), running every __post_init__ check;
+    a bad value exits with its message."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return OmegaConf.to_object(cfg)
+        job = OmegaConf.to_object(cfg)
     except ConfigError as e:
         fail(e)
     except Exception as e:  # omegaconf wraps errors raised inside __post_init__
@@ -26,6 +27,14 @@ def to_job(cfg: DictConfig) -> JobConfig:
         if isinstance(cause, ConfigError):
             fail(cause)
         raise
+    if hasattr(job, "provenance"):
+        from dflash.provenance import check_allowed
+
+        try:
+            check_allowed(job.provenance.allow_mismatch)
+        except ConfigError as e:
+            fail(e)
+    return job
 
 
 def fail(error: Exception) -> None:
@@ -33,24 +42,11 @@ def fail(error: Exception) -> None:
     sys.exit(2)
 
 
-def _explained() -> tuple[type, ...]:
-    """Errors whose message already names the thing and the fix: shown without a traceback."""
-    from dflash.cache import CacheError
-    from dflash.checkpoint import CheckpointError
-    from dflash.completions import CompletionsError
-    from dflash.live import LosslessError
-    from dflash.provenance import ProvenanceError
-    from dflash.training import TrainingError
-
-    return (ConfigError, CacheError, CheckpointError, CompletionsError, LosslessError, ProvenanceError,
-            TrainingError, FileNotFoundError)
-
-
-def run(fn, job: JobConfig):
-    """fn(job); an explained error exits with its message (set DFLASH_TRACEBACK=1 for the trace)."""
+def run(fn, job):
+    """fn(job); a DFlashError exits 2 with its message alone (set DFLASH_TRACEBACK=1 for the trace)."""
     try:
         return fn(job)
-    except Exception as e:
-        if not os.environ.get("DFLASH_TRACEBACK") and isinstance(e, _explained()):
-            fail(e)
-        raise
+    except DFlashError as e:
+        if os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        fail(e)

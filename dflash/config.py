@@ -9,12 +9,11 @@ dataclasses, never a ``DictConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the key and the fix."""
+from dflash.errors import ConfigError  # the one dflash import: a leaf module of exception classes
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -431,13 +430,8 @@ class ProvenanceConfig:
     """How strictly features must match what a checkpoint was trained on."""
 
     allow_mismatch: list[str] = field(default_factory=list)
-    """Manifest fields allowed to differ (e.g. [kernel_backend]); each use is logged."""
-
-    def __post_init__(self) -> None:
-        from dflash.provenance import GUARDED_FIELDS
-
-        for name in self.allow_mismatch:
-            _one_of("provenance.allow_mismatch[*]", name, set(GUARDED_FIELDS))
+    """Manifest fields allowed to differ (e.g. [kernel_backend]); each use is logged. The fields are
+    listed (and these names checked when the entry points start) in dflash.provenance."""
 
 
 @dataclass
@@ -461,8 +455,27 @@ class JobConfig:
     """evaluate.py: latest, best, stepN / stepNk, or a drafter directory (z-lab layout)."""
 
 
+@dataclass
+class ReportConfig:
+    """python -m dflash.report: compare run folders without the W&B UI."""
+
+    runs: Any = field(default_factory=lambda: ["all"])
+    """Run names under `root`, run folders, or sweep folders (their runs), as a list; all = every run."""
+    root: str = "runs"
+    """Folder holding the run folders."""
+    out: str | None = None
+    """Where report.md/html and the PNGs go; null = <root>/reports/<run names>."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.runs, str):
+            self.runs = [self.runs]
+        if not self.runs or not all(isinstance(r, str) and r for r in self.runs):
+            raise ConfigError(f"runs={self.runs!r}: give run names, e.g. runs=[run_a,run_b], or runs=all")
+
+
 def register_configs() -> None:
-    """Register the schema so conf/*.yaml are validated against it (`defaults: [schema]`)."""
+    """Register the schemas so conf/*.yaml are validated against them (`defaults: [schema]`)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="schema", node=JobConfig)
+    ConfigStore.instance().store(name="report_schema", node=ReportConfig)

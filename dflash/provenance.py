@@ -1,24 +1,102 @@
-"""The provenance guard: features must come from the same target, tokenizer, layers, dtype and
-kernels that a checkpoint was trained on.
+"""Provenance: what made a set of features, written into every manifest and checked everywhere.
 
-One check, used by offline training, resume and evaluation. A drafter trained on
-fla-computed states and evaluated on PyTorch-fallback states looks broken; this makes that
-mistake loud instead of silent.
+A drafter trained on fla-computed states and evaluated on PyTorch-fallback states looks broken;
+a cache resumed with another configuration mixes two kinds of features. This module is the one
+place that says what a manifest holds (`features_manifest`, DESIGN §3), which fields must agree
+for what (`GUARDED_FIELDS`, `RESUME_FIELDS`), and checks them (`check_*`), for extraction,
+offline and resumed training, in-run and offline evaluation and live decoding.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import time
+
+import torch
+
+from dflash.errors import CacheError, ConfigError, ProvenanceError
+from dflash.target.identity import kernel_backend, target_identity, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1
+"""Version of the feature-cache format (shards and manifest)."""
+
 GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend")
-"""Manifest fields that must agree; each may be waived with provenance.allow_mismatch=[...]."""
+"""Fields that must agree between a drafter's training features and the features it is evaluated
+or resumed on; each may be waived knowingly with provenance.allow_mismatch=[...]."""
+
+RESUME_FIELDS = ("format_version", "target", "tokenizer", "layer_ids", "dtype", "storage", "kernel_backend",
+                 "data", "max_length", "shard_sequences")
+"""Fields that must agree for an unfinished cache to be resumed by another extraction."""
 
 
-class ProvenanceError(RuntimeError):
-    """Features do not match what the checkpoint was trained on."""
+def check_allowed(allow_mismatch: list[str]) -> None:
+    """provenance.allow_mismatch may only name guarded fields."""
+    for name in allow_mismatch:
+        if name not in GUARDED_FIELDS:
+            raise ConfigError(f"provenance.allow_mismatch[*]={name!r} is not valid; expected one of "
+                              f"{sorted(GUARDED_FIELDS)}")
+
+
+def library_versions() -> dict:
+    out = {}
+    for dist in ("dflash", "torch", "transformers", "flash-linear-attention", "causal-conv1d"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def backend_report(target) -> dict:
+    """Which kernels each layer type ran, on which device and dtype, with which libraries."""
+    return {
+        "kernels": dict(target.kernels),
+        "kernel_backend": kernel_backend(target.kernels),
+        "device": str(target.device) if target.device.type == "cpu" else torch.cuda.get_device_name(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "versions": library_versions(),
+    }
+
+
+def target_signature(target) -> dict:
+    """What features depend on besides layers and kernels: the weights, tokenizer and dtype
+    (available from the heads alone, so offline training can check a cache without the model)."""
+    return {"target": target_identity(target), "tokenizer": tokenizer_fingerprint(target.tokenizer),
+            "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def features_manifest(target, layer_ids: list[int], storage: str, max_length: int, data_info: dict,
+                      shard_sequences: int) -> dict:
+    """The provenance manifest of features computed now by `target` (DESIGN §3)."""
+    report = backend_report(target)
+    return {
+        "format_version": FORMAT_VERSION,
+        **target_signature(target),
+        "target_path": target.path,
+        "layer_ids": list(layer_ids),
+        "hidden_size": target.hidden_size,
+        "storage": storage,
+        "kernel_backend": report["kernel_backend"],
+        "kernels": report["kernels"],
+        "device": report["device"],
+        "versions": report["versions"],
+        "data": {k: v for k, v in data_info.items() if k != "completions"},
+        "completions_path": data_info.get("completions"),
+        "max_length": max_length,
+        "shard_sequences": shard_sequences,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def generation_settings(target, completions, chat_template: bool, enable_thinking: bool) -> dict:
+    """What a stored completion depends on; a completions store made with other values is refused."""
+    return {"target": target.fingerprint, "tokenizer": tokenizer_fingerprint(target.tokenizer),
+            "max_new_tokens": completions.max_new_tokens, "chat_template": chat_template,
+            "enable_thinking": enable_thinking, "stop": list(completions.stop)}
 
 
 def _show(value) -> str:
@@ -48,3 +126,38 @@ def check_provenance(expected: dict, actual: dict, allow: list[str] | tuple = ()
         log.warning("provenance: %s differs and is allowed by provenance.allow_mismatch: %s in %s, %s in %s",
                     f, _show(expected.get(f)), expected_name, _show(actual.get(f)), actual_name)
     return differing
+
+
+def check_resumable(old: dict, new: dict, root) -> None:
+    """An unfinished cache at `root` (manifest `old`) may only be continued by the same configuration."""
+    diff = [f for f in RESUME_FIELDS if old.get(f) != new.get(f)]
+    if diff:
+        lines = "; ".join(f"{f}: cache has {json.dumps(old.get(f))[:200]}, this run has "
+                          f"{json.dumps(new.get(f))[:200]}" for f in diff)
+        raise CacheError(f"features.dir={root} holds features made with another configuration ({lines}). "
+                         f"Set features.dir to a new directory, or delete {root} to rebuild it")
+
+
+def check_kernels(manifest: dict, target, root) -> None:
+    """Features at `root` must come from the kernels the loaded target runs now (when it runs any)."""
+    now = kernel_backend(target.kernels) if target.kernels else None
+    if now is not None and manifest["kernel_backend"] != now:
+        raise CacheError(f"held-out features in {root} were made with kernels {manifest['kernel_backend']}"
+                         f" but the target now runs {now}; delete {root} to recompute them with these kernels")
+
+
+def check_trained_on(trained_on: dict | None, features: dict, allow: list[str], label: str, what: str,
+                     source) -> list[str]:
+    """The guard at evaluation: `features` must match what drafter `label` (at `source`) was trained on.
+    A drafter without a training manifest (not trained by dflash) cannot be checked: a warning."""
+    if trained_on is None:
+        log.warning("drafter %s carries no training manifest (not trained by dflash): provenance of its features "
+                    "cannot be checked", source)
+        return []
+    return check_provenance(trained_on, features, allow, expected_name=f"drafter {label}'s training features",
+                            actual_name=what)
+
+
+def live_features(target, layer_ids: list[int]) -> dict:
+    """The manifest fields of features the live target computes right now."""
+    return {**target_signature(target), "layer_ids": list(layer_ids), "kernel_backend": kernel_backend(target.kernels)}

@@ -2,10 +2,10 @@
 
 import torch
 
-from dflash.model import DFlashDrafter, drafter_config
+from dflash.drafter.model import DFlashDraftModel, drafter_config
 
 
-class OracleDrafter(DFlashDrafter):
+class OracleDrafter(DFlashDraftModel):
     """Slot k of the block at anchor p proposes truth[p + k]; `wrong(p, k)` marks deliberate misses.
 
     The hidden state is the target's lm_head row of the wanted token, scaled up, so that the

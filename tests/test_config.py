@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from dflash.config import ConfigError, DrafterConfig, LossConfig, NoiseConfig
+from dflash.config import DrafterConfig, LossConfig, NoiseConfig
+from dflash.errors import ConfigError
 from tests.conftest import REPO, compose
 
 GROUP_OPTIONS = sorted(

@@ -8,8 +8,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_flex_block_mask_equals_the_dense_path_on_cuda():
-    from dflash.blocks import draft_packed, pack_blocks
-    from tests.test_model import make_drafter
+    from dflash.drafter.blocks import draft_packed, pack_blocks
+    from tests.drafter.test_model import make_drafter
 
     drafter = make_drafter(["sliding_attention", "full_attention"], 6).cuda()
     embed = torch.nn.Embedding(300, 64).cuda()
@@ -28,7 +28,7 @@ def test_flex_block_mask_equals_the_dense_path_on_cuda():
 def test_hybrid_target_on_fallback_kernels_is_refused_on_cuda(dflash_home):
     import importlib.util
 
-    from dflash.target import load_target
+    from dflash.target.loading import load_target
     from tests.conftest import compose
 
     if importlib.util.find_spec("fla") is not None:
@@ -41,7 +41,7 @@ def test_hybrid_target_on_fallback_kernels_is_refused_on_cuda(dflash_home):
 
 
 def test_bf16_training_step_on_cuda(tmp_path):
-    from dflash.training import train
+    from dflash.train.loop import train
     from tests.conftest import compose
 
     run = train(compose("train", [

@@ -1,0 +1,104 @@
+"""Feature extraction: the target runs over prepared sequences and their features go into a
+provenance-stamped cache, resumable shard by shard, split across processes.
+
+`extract_features` is the one API: training data (extract.py, or offline training when its
+cache is missing) and the held-out set (dflash.evaluate.heldout) both call it with what they
+prepared. `extract(job)` is extract.py's job: the training data of `job`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.config import DataConfig, FeaturesConfig, JobConfig
+from dflash.data import cache as fcache
+from dflash.data.prompts import load_prompts
+from dflash.data.sequences import Prepared, prepare_sequences
+from dflash.dist import Dist
+from dflash.provenance import features_manifest
+from dflash.target.features import batched_features
+from dflash.target.layer_ids import resolve_layer_ids
+from dflash.target.loading import Target, load_target
+
+log = logging.getLogger(__name__)
+
+
+def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, dest: Path, dist: Dist, *,
+                     storage: str, shard_sequences: int, batch_tokens: int, max_length: int | None) -> dict:
+    """Features of `prepared` (layers `layer_ids`) into the cache at `dest`: every shard not yet on
+    disk (this process's share), then the manifest is finalized on the main process. Returns it."""
+    from tqdm import tqdm
+
+    manifest = features_manifest(target, layer_ids, storage, max_length, prepared.info, shard_sequences)
+    root = Path(dest)
+    seqs = prepared.sequences
+    num_shards = math.ceil(len(seqs) / shard_sequences)
+    if dist.is_main:
+        fcache.open_for_writing(root, manifest)
+    dist.barrier()
+    done = fcache.done_shards(root)
+    mine = [k for k in range(num_shards) if k % dist.world == dist.rank and k not in done]
+    tokens = sum(s.input_ids.numel() for k in mine for s in seqs[k * shard_sequences:(k + 1) * shard_sequences])
+    if done:
+        log.info("cache %s: %d of %d shards already written; resuming", root, len(done), num_shards)
+    log.info("process %d of %d extracts shards %s", dist.rank, dist.world, mine)
+    bar = tqdm(total=tokens, desc=f"extract[{dist.rank}]", unit="tok", unit_scale=True, disable=None)
+    for k in mine:
+        part = seqs[k * shard_sequences:(k + 1) * shard_sequences]
+        feats: list[torch.Tensor | None] = [None] * len(part)
+        for i, f in batched_features(target, [s.input_ids for s in part], layer_ids, batch_tokens):
+            feats[i] = f.cpu()
+            bar.update(part[i].input_ids.numel())
+        fcache.write_shard(root, k, [s.id for s in part], [s.input_ids for s in part],
+                           [s.loss_mask for s in part], feats, storage, len(layer_ids))
+    bar.close()
+    dist.barrier()
+    if dist.is_main:
+        fcache.finalize(root, num_shards)
+    dist.barrier()
+    return fcache.read_manifest(root)
+
+
+def completions_store(data: DataConfig, features: FeaturesConfig) -> Path:
+    """The training completions: data.completions.path, or completions.jsonl next to the features."""
+    return Path(data.completions.path) if data.completions.path else Path(features.dir).parent / "completions.jsonl"
+
+
+def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
+    """The training sequences of `job`: data.prompts with the target's completions."""
+    data = job.data
+    prompts = load_prompts(data.prompts, data.format, data.split, data.prompt_key, data.offset, data.limit)
+    return prepare_sequences(prompts, data.prompts, target, data.completions, completions_store(data, job.features),
+                             dist, chat_template=data.chat_template, enable_thinking=data.enable_thinking,
+                             max_length=data.max_length)
+
+
+def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
+    """Training sequences and their features into job.features.dir, with an already-loaded target."""
+    prepared = prepare_training(job, target, dist)
+    return extract_features(target, resolve_layer_ids(job.layers, target.num_layers), prepared,
+                            Path(job.features.dir), dist, storage=job.features.storage,
+                            shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
+                            max_length=job.data.max_length)
+
+
+def extract(job: JobConfig) -> dict:
+    """extract.py: completions, then features, into job.features.dir."""
+    from dflash import dist as dist_mod
+    from dflash.tracking import setup_logging
+
+    setup_logging()
+    dist = dist_mod.current()
+    target = load_target(job.target)
+    t0 = time.time()
+    manifest = extract_training(job, target, dist)
+    if dist.is_main:
+        log.info("cache %s: %d sequences, %d tokens, %s features in %d shards (%.0f s)", job.features.dir,
+                 manifest["num_sequences"], manifest["num_tokens"], manifest["storage"], len(manifest["shards"]),
+                 time.time() - t0)
+    return manifest

@@ -1,0 +1,64 @@
+"""Build a drafter for a target from the typed config, and check that a drafter fits a target."""
+
+from __future__ import annotations
+
+import logging
+
+from dflash.config import DrafterConfig, LayersConfig
+from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.errors import ConfigError, NotFoundError
+from dflash.target.layer_ids import resolve_layer_ids
+from dflash.target.loading import Target
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> DFlashDraftModel:
+    """A fresh drafter sized after the target (or loaded from cfg.init_from), in float32."""
+    layer_ids = resolve_layer_ids(layers, target.num_layers)
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from)
+        check_fits(drafter, target, source=f"drafter.init_from={cfg.init_from}")
+        return drafter.float()
+    config = drafter_config(
+        target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
+        mask_token_id=target.mask_token_id, layer_types=cfg.resolved_layer_types(),
+        sliding_window=cfg.sliding_window, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size)
+    drafter = DFlashDraftModel(config).float()
+    check_fits(drafter, target, source="the drafter config")
+    return drafter
+
+
+def load_drafter(path: str) -> DFlashDraftModel:
+    """Load a drafter directory in z-lab layout, with a clear error for what is missing."""
+    from pathlib import Path
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise NotFoundError(f"drafter directory {path} does not exist")
+    missing = [f for f in ("config.json",) if not (root / f).exists()]
+    if not any(root.glob("*.safetensors")):
+        missing.append("model.safetensors")
+    if missing:
+        raise NotFoundError(f"drafter directory {path} is missing {', '.join(missing)}; it is not a "
+                                f"complete drafter in z-lab layout (config.json + model.safetensors)")
+    return DFlashDraftModel.from_pretrained(str(root))
+
+
+def check_fits(drafter: DFlashDraftModel, target: Target, source: str = "the drafter") -> None:
+    """Refuse a drafter whose width, layer ids or mask token do not fit the target."""
+    c = drafter.config
+    if c.hidden_size != target.hidden_size:
+        raise ConfigError(f"{source} has hidden size {c.hidden_size} but the target has {target.hidden_size}; "
+                          f"a drafter only fits the target family it was built for")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ConfigError(f"{source} reads target layers {bad}, outside this {target.num_layers}-layer target")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise ConfigError(f"{source} uses mask token {drafter.mask_token_id}, outside the target's "
+                          f"vocabulary of {target.vocab_size}")
+    if getattr(c, "num_target_layers", target.num_layers) != target.num_layers:
+        log.warning("%s was built for a %s-layer target; this target has %d layers", source,
+                    c.num_target_layers, target.num_layers)

@@ -1,0 +1,290 @@
+"""The DFlash drafter: Qwen3-style decoder layers with target-feature KV injection.
+
+Layout and weight names follow the z-lab ``DFlashDraftModel`` that SGLang and vLLM serve:
+``fc`` projects the concatenated target layer outputs to the hidden size, ``hidden_norm``
+normalises the result (the "context"), and every layer attends from the block tokens to
+``cat(context, block)`` keys/values made with the same projections. The drafter has no
+embedding and no LM head: the caller embeds block tokens with the target's ``embed_tokens``
+and turns the returned hidden states into logits with the target's ``lm_head``.
+
+This module is pure: torch and transformers layers, no file I/O of its own (loading and
+saving go through ``PreTrainedModel``), no accelerate, wandb or Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+try:  # flex attention is used for packed training on CUDA; absent on very old torch
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask, flex_attention = None, None
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask, scale):
+    """flex_attention compiled once per process (uncompiled flex is a slow reference path)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+@dataclass
+class ContextCache:
+    """Projected context keys/values per drafter layer, kept across decoding steps.
+
+    Context keys depend only on the target features and the layer's weights (never on block
+    tokens), so caching them is exact. Shapes: keys/values [b, kv_heads, ctx, head_dim],
+    positions [b, ctx].
+    """
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[b, 1, q, k] bool: keys within `window` positions of the query, on either side."""
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    return (dist.abs() < window)[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from cat(context, block), one set of projections."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.layer_type = layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+
+    def forward(self, hidden, context, cos, sin, mask, cache: ContextCache | None):
+        """hidden [b, q, H] (block), context [b, c, H] (new context) -> [b, q, H].
+
+        cos/sin: [b, c + q, head_dim] for the new context then the block.
+        mask: None (every key visible), a bool tensor [b, 1, q, keys], a flex BlockMask, or a
+            chunked dense mask (see dflash.drafter.blocks.ChunkedMask) for packed blocks.
+        """
+        b, q_len, _ = hidden.shape
+        c_len = context.shape[1]
+        q = self.q_norm(self.q_proj(hidden).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([context, hidden], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim))
+        k = k.transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos[:, :, -q_len:] + rotate_half(q) * sin[:, :, -q_len:]
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            if cache.keys[self.layer_idx] is not None:
+                k = torch.cat([cache.keys[self.layer_idx], k], dim=2)
+                v = torch.cat([cache.values[self.layer_idx], v], dim=2)
+            cache.keys[self.layer_idx] = k[:, :, : k.shape[2] - q_len]
+            cache.values[self.layer_idx] = v[:, :, : v.shape[2] - q_len]
+        if BlockMask is not None and isinstance(mask, BlockMask):
+            out = _flex(q, k, v, mask, self.scaling)
+        elif hasattr(mask, "chunks"):  # packed blocks, dense path: attend chunk by chunk
+            out = self._chunked(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+    def _chunked(self, q, k, v, mask):
+        """Each chunk of queries against the context keys it can see plus its own block keys."""
+        outs = []
+        for ch in mask.chunks:
+            keys = torch.cat([k[:, :, : ch.ctx_len], k[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
+            vals = torch.cat([v[:, :, : ch.ctx_len], v[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, ch.q_start: ch.q_end], keys, vals, attn_mask=ch.mask,
+                                                       scale=self.scaling, enable_gqa=True))
+        return torch.cat(outs, dim=2)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, mask, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """DFlash drafter in the z-lab layout (the class name is what serving frameworks expect).
+
+    Config: a Qwen3Config with `block_size`, `num_target_layers`, `layer_types`,
+    `sliding_window` and `dflash_config = {target_layer_ids, mask_token_id}`.
+    """
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        dflash = getattr(config, "dflash_config", None) or {}
+        if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
+            raise ValueError("drafter config.json needs dflash_config.target_layer_ids and "
+                             "dflash_config.mask_token_id")
+        self.target_layer_ids = list(dflash["target_layer_ids"])
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.block_size = int(getattr(config, "block_size", dflash.get("block_size", 16)))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        """Load strictly: a missing, unexpected or misshapen weight is an error, never a fresh init."""
+        kwargs["output_loading_info"] = True
+        model, info = super().from_pretrained(path, *args, **kwargs)
+        problems = {
+            "missing": sorted(info.get("missing_keys", [])),
+            "unexpected": sorted(k for k in info.get("unexpected_keys", []) if "rotary_emb" not in k),
+            "mismatched": sorted(str(k) for k in info.get("mismatched_keys", [])),
+            "errors": list(info.get("error_msgs", [])),
+        }
+        problems = {k: v for k, v in problems.items() if v}
+        if problems:
+            raise ValueError(f"drafter weights in {path} do not match its config.json: {problems}; "
+                             f"the checkpoint is incomplete or from another drafter shape")
+        return model
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [layer.self_attn.layer_type for layer in self.layers]
+
+    def new_cache(self) -> ContextCache:
+        n = len(self.layers)
+        return ContextCache(keys=[None] * n, values=[None] * n)
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[b, c, n_layers * H] target features -> [b, c, H] context."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        cache: ContextCache | None = None,
+    ) -> torch.Tensor:
+        """Draft hidden states for one or many blocks.
+
+        noise_embedding: [b, q, H] target embeddings of the block tokens [x_p, M, ..., M].
+        target_hidden: [b, c, n_layers * H] features of the context positions (with a cache:
+            only the positions not yet cached).
+        position_ids: [b, c + q] positions of those context positions, then of the block.
+        attention_mask: None (the block sees all context, which must lie strictly before the
+            anchor), a bool [b, 1, q, keys] tensor, a flex BlockMask, or a dict of either per
+            layer type (full_attention / sliding_attention) for packed training.
+        cache: context keys/values from earlier calls, extended in place.
+        Returns the final-normed hidden states [b, q, H]; apply the target's lm_head for logits.
+        """
+        context = self.project_context(target_hidden)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        masks = self._masks(attention_mask, position_ids, noise_embedding.shape[1], cache)
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, masks[layer.self_attn.layer_type], cache)
+        if cache is not None:
+            new_pos = position_ids[:, : context.shape[1]]
+            cache.positions = new_pos if cache.positions is None else torch.cat([cache.positions, new_pos], 1)
+        return self.norm(hidden)
+
+    def _masks(self, attention_mask, position_ids, q_len, cache) -> dict:
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+        if attention_mask is None and "sliding_attention" in self.layer_types:
+            k_pos = position_ids if cache is None or cache.positions is None else torch.cat(
+                [cache.positions, position_ids], dim=1)
+            masks["sliding_attention"] = sliding_window_mask(
+                position_ids[:, -q_len:], k_pos, self.config.sliding_window)
+        return masks
+
+
+DFlashDrafter = DFlashDraftModel
+"""The one public alias (README's `dflash.model.DFlashDrafter`); dflash itself says DFlashDraftModel."""
+
+
+def drafter_config(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A z-lab drafter config sized after a target's text config (any Qwen-style model)."""
+    rope_theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
+        target_config, "rope_theta", 1_000_000.0)
+    heads = num_attention_heads or target_config.num_attention_heads
+    types = list(layer_types) if layer_types else ["full_attention"] * num_layers
+    return Qwen3Config(
+        architectures=["DFlashDraftModel"],
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=num_key_value_heads or target_config.num_key_value_heads,
+        head_dim=head_dim or getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window="sliding_attention" in types,
+        sliding_window=sliding_window,
+        max_window_layers=num_layers,
+        layer_types=types,
+        block_size=block_size,
+        num_target_layers=target_config.num_hidden_layers,
+        dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)},
+    )

@@ -1,0 +1,72 @@
+"""The held-out set: greedy target completions of eval.prompts and their features, in a cache of
+their own, made by the same extraction API as the training data.
+
+Its folder is keyed by a hash of the target's weights, tokenizer and dtype (so another checkpoint
+or dtype under the same preset name gets its own set), the prompt set and the completion length;
+the features folder is per layer set (drafters compared side by side may read different layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dflash.config import JobConfig
+from dflash.data import cache as fcache
+from dflash.data.extraction import extract_features
+from dflash.data.prompts import load_prompts
+from dflash.data.sequences import prepare_sequences
+from dflash.dist import Dist
+from dflash.layout import CacheLayout
+from dflash.provenance import check_kernels, target_signature
+
+log = logging.getLogger(__name__)
+
+
+def heldout_paths(job: JobConfig, target, layer_ids: list[int]) -> tuple[Path, Path]:
+    """(features folder, completions file) of the held-out set; by default under cache/<target>/."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(job.eval.prompts.removeprefix("builtin:")).stem)
+    sig = hashlib.sha256(json.dumps(target_signature(target), sort_keys=True).encode()).hexdigest()[:8]
+    base = CacheLayout(Path(job.features.dir)).target_root / f"eval-{name}-n{job.eval.max_new_tokens}-{sig}"
+    layers = "L" + "-".join(map(str, layer_ids))
+    features = Path(job.eval.features_dir) / layers if job.eval.features_dir else base / f"features-{layers}"
+    completions = Path(job.eval.completions_path) if job.eval.completions_path else base / "completions.jsonl"
+    return features, completions
+
+
+def is_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
+    return fcache.is_complete(heldout_paths(job, target, layer_ids)[0])
+
+
+def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
+    """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), greedy
+    completions of eval.max_new_tokens generated one prompt at a time (no padding), untruncated,
+    features of `layer_ids` in float32. Needs the full target."""
+    features_dir, store = heldout_paths(job, target, layer_ids)
+    if fcache.is_complete(features_dir):
+        return
+    log.info("extracting the held-out set %s into %s", job.eval.prompts, features_dir)
+    source = "cached" if job.eval.completions_path else (
+        "server" if job.data.completions.source == "server" else "hf")
+    completions = replace(job.data.completions, source=source, path=str(store),
+                          max_new_tokens=job.eval.max_new_tokens, batch_size=1)
+    prompts = load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
+    prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
+                                 chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
+                                 max_length=None)
+    extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
+                     shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
+                     max_length=None)
+
+
+def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
+    """The held-out features; refused if the target now runs other kernels than made them."""
+    cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids)[0], dtype=torch.float32)
+    check_kernels(cache.manifest, target, cache.root)
+    return cache

@@ -1,0 +1,61 @@
+"""Evaluation results into W&B and onto the terminal."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = None) -> None:
+    """eval/* scalars at the checkpoint's training step; per-position accuracy as a table (plots
+    as a curve per run), the tau histogram and the plots as images; best values in the summary."""
+    logger.log(summary["metrics"], step)
+    if logger.wandb is None or summary.get("mode") == "live":
+        return
+    import wandb
+
+    B = summary["block_size"]
+    acc = wandb.Table(columns=["slot", "acc", "step"],
+                      data=[[k, summary["metrics"][f"eval/acc@{k}"], step] for k in range(1, B)])
+    hist = wandb.Table(columns=["tau", "blocks"], data=[[t + 1, c] for t, c in enumerate(summary["tau_histogram"])])
+    media = {
+        "eval/acc_per_position": wandb.plot.line(acc, "slot", "acc", title=f"per-position accuracy (step {step})"),
+        "eval/tau_hist": wandb.plot.bar(hist, "tau", "blocks", title=f"tau histogram (step {step})"),
+    }
+    media.update({f"eval/{name}": wandb.Image(str(path)) for name, path in (images or {}).items()})
+    logger.log_media(media, step)
+    best = logger.wandb.summary.get("eval/best_tau")
+    tau = summary["metrics"]["eval/tau"]
+    if best is None or tau > best:
+        logger.summary({"eval/best_tau": tau, "eval/best_step": step,
+                        **{f"eval/best_{k.split('/', 1)[1]}": v for k, v in summary["metrics"].items()}})
+
+
+def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:
+    """One row per drafter: tau (micro, macro), acc@1, acc@B/2, ddtree@N, blocks (live: real tau,
+    tokens per target forward, wall-clock speedup over plain decoding)."""
+    first = next(iter(summaries.values()))
+    B, budgets = first["block_size"], first["ddtree_budgets"]
+    if mode == "live":
+        header = ["drafter", "tau", "tok/forward", "tok/verify", "speedup", *[f"ddtree@{n} tau" for n in budgets],
+                  "tokens"]
+        rows = [[label, m["eval/live_tau"], m["eval/live_tokens_per_forward"], m["eval/live_tokens_per_verify"],
+                 m["eval/live_speedup"], *[m[f"eval/live_ddtree@{n}_tau"] for n in budgets], m["eval/live_tokens"]]
+                for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
+    else:
+        mid = max(1, (B - 1) // 2)
+        header = ["drafter", "tau", "tau_macro", "acc@1", f"acc@{mid}", *[f"ddtree@{n}" for n in budgets], "blocks"]
+        rows = [[label, m["eval/tau"], m["eval/tau_macro"], m["eval/acc@1"], m.get(f"eval/acc@{mid}", 0.0),
+                 *[m[f"eval/ddtree@{n}"] for n in budgets], m["eval/blocks"]]
+                for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
+    print_table(rows, header, out)
+
+
+def print_table(rows: list[list], header: list[str], out=None) -> None:
+    out = out or sys.stdout
+    cells = [[str(c) for c in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for n, r in enumerate(cells):
+        out.write("  ".join(c.rjust(w) if n and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + "\n")
+        if n == 0:
+            out.write("  ".join("-" * w for w in widths) + "\n")

@@ -1,0 +1,156 @@
+"""The on-disk layouts, owned here once: a run folder, a checkpoint in it, a feature cache.
+
+    runs/<name>/                       RunLayout
+      config.yaml  run.json  metrics.jsonl  train.log  wandb/
+      checkpoints/best.json
+      checkpoints/step-020000/         CheckpointLayout: config.json + model.safetensors (z-lab)
+        train_state/                   optimizer.pt scheduler.pt rng.pt state.json manifest.json
+      eval/step-020000/                summary.json blocks.jsonl *.png
+    cache/<target>/<data>/features/    CacheLayout: manifest.json, shard-00000.safetensors + .json
+    cache/<target>/eval-.../           the held-out set (completions.jsonl, features-L.../)
+
+Paths only: nothing here reads or writes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """One checkpoint: the servable drafter (z-lab layout) plus what resuming needs."""
+
+    path: Path
+
+    DRAFTER_FILES = ("config.json", "model.safetensors")
+    STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "model.safetensors"
+
+    @property
+    def train_state(self) -> Path:
+        return self.path / "train_state"
+
+    def state_file(self, name: str) -> Path:
+        return self.train_state / name
+
+    @property
+    def state(self) -> Path:
+        return self.train_state / "state.json"
+
+    @property
+    def manifest(self) -> Path:
+        """The manifest of the features this drafter was trained on."""
+        return self.train_state / "manifest.json"
+
+    def files(self, with_manifest: bool = True) -> set[str]:
+        """Every file a complete dflash checkpoint holds, relative to its folder."""
+        names = {*self.DRAFTER_FILES, *(f"train_state/{f}" for f in self.STATE_FILES)}
+        return names | ({"train_state/manifest.json"} if with_manifest else set())
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """runs/<name>/: everything one training run and its evaluations write."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def info(self) -> Path:
+        """run.json: name, created, git commit, W&B run id/project/entity/group."""
+        return self.path / "run.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def best(self) -> Path:
+        return self.checkpoints / "best.json"
+
+    def checkpoint(self, step: int) -> CheckpointLayout:
+        return CheckpointLayout(self.checkpoints / step_name(step))
+
+    def list_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every step checkpoint, oldest first."""
+        found = []
+        for p in self.checkpoints.glob("step-*") if self.checkpoints.is_dir() else []:
+            m = STEP_DIR.fullmatch(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def eval_dir(self, name: str) -> Path:
+        """eval/<name>/: `step-020000` (teacher-forced), `step-020000-live`, or a foreign drafter's name."""
+        return self.path / "eval" / name
+
+    def eval_summaries(self) -> list[Path]:
+        return sorted(self.path.glob("eval/step-*/summary.json"))
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Path) -> RunLayout:
+        """The run folder a checkpoint folder sits in (`is_run()` is false for a drafter outside any run)."""
+        return cls(Path(checkpoint).expanduser().resolve().parent.parent)
+
+    def is_run(self) -> bool:
+        return self.info.exists()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A feature cache folder: manifest.json, and per shard its safetensors file and JSON sidecar."""
+
+    path: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / "manifest.json"
+
+    @staticmethod
+    def shard_name(k: int) -> str:
+        return f"shard-{k:05d}.safetensors"
+
+    def shard(self, k: int) -> Path:
+        return self.path / self.shard_name(k)
+
+    def sidecar(self, k: int) -> Path:
+        return self.path / f"shard-{k:05d}.json"
+
+    def sidecars(self) -> list[Path]:
+        return sorted(self.path.glob("shard-*.json"))
+
+    @property
+    def target_root(self) -> Path:
+        """cache/<target>/ for the default cache/<target>/<data>/features (home of the held-out sets)."""
+        return self.path.parent.parent

@@ -1,0 +1,59 @@
+"""Built-in targets: tiny random-weight models for tests, and the trained toy target.
+
+Each is written with `save_pretrained` into a directory and then loaded through the same
+`from_pretrained` path as a real model, so tests exercise the real loading code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_SEED = 1234
+
+
+def tiny_qwen3_config(vocab_size: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen3_5_config(vocab_size: int):
+    """Qwen3.5 text config: 3 Gated DeltaNet layers to 1 full-attention layer, 8 layers."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def build(name: str, dest: Path) -> None:
+    """Write target `name` (tiny_qwen3, tiny_qwen3_5, toy) into the empty directory `dest`."""
+    if name == "toy":
+        from dflash.target.toy import build_toy_target, install_shipped
+
+        if not install_shipped(dest):
+            build_toy_target(dest)
+        return
+    from transformers import AutoModelForCausalLM
+
+    from dflash.target.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = {"tiny_qwen3": tiny_qwen3_config, "tiny_qwen3_5": tiny_qwen3_5_config}[name](len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)

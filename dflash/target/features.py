@@ -1,0 +1,98 @@
+"""The one function that computes target features.
+
+extract.py, online training, teacher-forced evaluation and live decoding all call
+`target_forward`, so the layers, the concatenation order, the dtype and the kernels that
+produced a drafter's training features are the ones it is evaluated and served with.
+Features of layer l are the output of decoder layer l (HF `output_hidden_states[l + 1]`;
+for the last layer that is after the final norm, as HF reports it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from dflash.target.loading import Target
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor | None
+    """[b, L, len(layer_ids) * H] concatenated layer outputs, in layer_ids order (None for no layers)."""
+    logits: torch.Tensor | None
+    """[b, kept, vocab] when logits were asked for."""
+
+
+def _cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` during 5.x; accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _output_tensor(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int], *,
+                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                   cache=None, logits_to_keep: int | None = None) -> TargetOutput:
+    """Run the target once; keep only the requested layers' outputs.
+
+    input_ids: [b, L]. attention_mask: [b, L] (1 = token, 0 = right padding). cache: a
+    transformers cache for incremental decoding. logits_to_keep: None (no logits needed; only
+    the last position's are computed), 0 (all positions) or k (the last k).
+    """
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    last = target.num_layers - 1
+    for layer_id in set(layer_ids):
+        module = target.final_norm if layer_id == last else target.layers[layer_id]
+        hooks.append(module.register_forward_hook(
+            lambda _m, _i, out, layer_id=layer_id: captured.__setitem__(layer_id, _output_tensor(out))))
+    kwargs = {"use_cache": cache is not None}
+    if cache is not None:
+        kwargs[_cache_kwarg(target.model)] = cache
+    try:
+        out = target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=1 if logits_to_keep is None else logits_to_keep, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+    return TargetOutput(features=features, logits=None if logits_to_keep is None else out.logits)
+
+
+def batched_features(target: Target, sequences: list[torch.Tensor], layer_ids: list[int],
+                     batch_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Features of many sequences, in right-padded batches of at most `batch_tokens` tokens.
+
+    Yields (index into `sequences`, features [L_i, n*H] on the target's device), longest
+    sequences first (similar lengths share a batch, so little compute goes to padding).
+    """
+    order = sorted(range(len(sequences)), key=lambda i: -sequences[i].numel())
+    batch: list[int] = []
+
+    def run(batch):
+        width = sequences[batch[0]].numel()
+        ids = torch.full((len(batch), width), target.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : sequences[i].numel()] = sequences[i]
+            mask[row, : sequences[i].numel()] = 1
+        padded = bool((mask == 0).any())
+        out = target_forward(target, ids.to(target.device), layer_ids,
+                             attention_mask=mask.to(target.device) if padded else None)
+        for row, i in enumerate(batch):
+            yield i, out.features[row, : sequences[i].numel()]
+
+    for i in order:
+        width = sequences[batch[0]].numel() if batch else sequences[i].numel()
+        if batch and width * (len(batch) + 1) > batch_tokens:
+            yield from run(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        yield from run(batch)

@@ -1,0 +1,235 @@
+"""Loading the target: the model (or just its heads), its tokenizer, device, dtype and kernels.
+
+Every path that needs the target (extraction, online training, evaluation, live decoding)
+loads it here, so the model class, dtype, device and kernel backend are chosen one way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash.config import TargetConfig
+from dflash.errors import ConfigError, NotFoundError, TargetError
+from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target with the pieces a drafter borrows."""
+
+    model: nn.Module | None
+    """The causal LM; None when only the heads were loaded (offline training)."""
+    tokenizer: object
+    config: object
+    """The text config (num_hidden_layers, hidden_size, vocab_size, ...)."""
+    layers: nn.ModuleList | None
+    """The decoder layers, in order."""
+    final_norm: nn.Module | None
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module
+    mask_token_id: int
+    path: str
+    kernels: dict = field(default_factory=dict)
+    """Which kernels each layer type runs: see `kernel_report`."""
+    fingerprint: str = ""
+    """`weights_fingerprint` of the checkpoint files."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def layer_types(self) -> list[str]:
+        types = getattr(self.config, "layer_types", None)
+        return list(types) if types else ["full_attention"] * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def stop_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return sorted(i for i in ids if i is not None)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"target.device={name} but no CUDA device is visible; use target.device=cpu")
+    return torch.device(name)
+
+
+def _find_layers(model: nn.Module, n: int) -> nn.ModuleList:
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and "Decoder" in type(module[0]).__name__:
+            return module
+    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+def _find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    for owner in model.modules():
+        if any(child is layers for child in owner.children()) and hasattr(owner, "norm"):
+            return owner.norm
+    raise ValueError(f"could not find the final norm of {type(model).__name__}")
+
+
+def ensure_built(cfg: TargetConfig) -> None:
+    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine)."""
+    dest = Path(cfg.path).expanduser()
+    if cfg.build is None or (dest / "config.json").exists():
+        return
+    from dflash.target.builtin import build as build_builtin
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    log.info("building target %s into %s", cfg.build, dest)
+    build_builtin(cfg.build, tmp)
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_only: bool = False) -> Target:
+    """Load the target frozen in eval mode, on `device` (default: from cfg.device).
+
+    heads_only: read just `embed_tokens` and `lm_head` from the weight files (all that offline
+    training needs), not the whole model.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    ensure_built(cfg)
+    model_dir = local_model_dir(cfg.path, cfg.revision)
+    path = str(model_dir) if model_dir is not None else cfg.path
+    device = device or pick_device(cfg.device)
+    common = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    try:
+        hf_config = AutoConfig.from_pretrained(path, **common)
+    except (OSError, ValueError) as e:
+        raise NotFoundError(
+            f"cannot load the target config from target.path={cfg.path!r} ({e}). Point target.path at a "
+            f"local model directory, or a hub id that is cached locally (HF_HUB_OFFLINE=1 allows no downloads)"
+        ) from e
+    text_config = hf_config.get_text_config()
+    if cfg.num_layers is not None and text_config.num_hidden_layers != cfg.num_layers:
+        raise ConfigError(f"target.num_layers={cfg.num_layers} but {path} has "
+                          f"{text_config.num_hidden_layers} layers; fix the preset or target.path")
+    tokenizer = AutoTokenizer.from_pretrained(path, **common)
+    dtype = DTYPES[cfg.dtype]
+    if heads_only and model_dir is not None:
+        model, layers, norm = None, None, None
+        embed, head = _load_heads(model_dir, text_config, dtype, device)
+        kernels = {}
+    else:
+        model = _load_model(path, cfg, dtype, common).requires_grad_(False).eval().to(device)
+        layers = _find_layers(model, text_config.num_hidden_layers)
+        norm = _find_final_norm(model, layers)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        kernels = kernel_report(model, list(getattr(text_config, "layer_types", None) or []))
+    if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
+        raise ConfigError(f"target.mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
+                          f"[0, {embed.weight.shape[0]}); set the id of the mask token of {cfg.name}")
+    target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
+                    embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
+                    kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown")
+    if (device.type == "cuda" and target.is_hybrid and model is not None
+            and target.kernels.get("linear_attention") != "fla" and not cfg.allow_fallback_kernels):
+        raise TargetError(
+            f"{cfg.name} has linear-attention layers but transformers bound the PyTorch fallback, not the "
+            f"fla kernels (install the gpu extra: pip install 'dflash[gpu]'). Features from the fallback "
+            f"differ from the ones a server computes. Set target.allow_fallback_kernels=true to accept that")
+    log.info("target %s: %d layers, hidden %d, %s on %s%s", cfg.name, target.num_layers, target.hidden_size,
+             cfg.dtype, device, f", kernels {kernel_backend(kernels)}" if kernels else " (heads only)")
+    return target
+
+
+def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target:
+    """A Target for a plain loaded HF causal LM (a Target is returned as is)."""
+    if isinstance(model, Target):
+        return model
+    text_config = model.config.get_text_config()
+    layers = _find_layers(model, text_config.num_hidden_layers)
+    return Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers,
+                  final_norm=_find_final_norm(model, layers), embed_tokens=model.get_input_embeddings(),
+                  lm_head=model.get_output_embeddings(), mask_token_id=-1 if mask_token_id is None else mask_token_id,
+                  path=getattr(model, "name_or_path", ""),
+                  kernels=kernel_report(model, list(getattr(text_config, "layer_types", None) or [])),
+                  fingerprint="unknown")
+
+
+def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                **common)
+
+
+def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
+    """embed_tokens and lm_head straight from the safetensors files (tied heads share one tensor)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name.startswith(("mtp.", "model.visual.", "visual.")):
+                    continue
+                for kind, suffix in (("embed", "embed_tokens.weight"), ("head", "lm_head.weight")):
+                    if name.endswith(suffix) and kind not in found:
+                        found[kind] = fh.get_tensor(name)
+    if "embed" not in found:
+        raise ValueError(f"no embed_tokens weight found in {model_dir}/*.safetensors")
+    head_w = found.get("head", found["embed"])
+    embed = nn.Embedding.from_pretrained(found["embed"].to(dtype), freeze=True).to(device)
+    head = nn.Linear(text_config.hidden_size, head_w.shape[0], bias=False, dtype=dtype)
+    head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
+    return embed, head.to(device)
+
+
+
+def local_model_dir(path: str, revision: str | None = None) -> Path | None:
+    """The directory holding a target's files: `path` itself, or its local hub snapshot."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, revision=revision, local_files_only=True))
+    except Exception:
+        return None

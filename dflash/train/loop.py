@@ -1,0 +1,335 @@
+"""train(job): the DFlash training loop (accelerate: one process to many nodes).
+
+Read `train()` top to bottom: set-up, then the step loop with its helpers `train_step`,
+`log_window`, `evaluate` and `save`. Offline mode reads the feature cache (extracted first if
+missing); online mode runs the frozen target in-process on every batch through the same feature
+function. Either way the drafter borrows the target's frozen embed_tokens and lm_head, and the
+objective is DESIGN §2's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.config import JobConfig
+from dflash.dist import Dist
+from dflash.drafter import metrics
+from dflash.drafter.blocks import draft_packed
+from dflash.drafter.build import build_drafter, load_drafter
+from dflash.drafter.loss import block_loss
+from dflash.errors import ConfigError, TrainingError
+from dflash.evaluate import heldout
+from dflash.layout import RunLayout
+from dflash.provenance import check_provenance
+from dflash.target.features import target_forward
+from dflash.tracking import RunLogger, config_dict, default_run_name, record_run, setup_logging
+from dflash.train import checkpoints as ckpt
+from dflash.train.batches import MicroBatches, Schedule, add_noise
+from dflash.train.optim import build_optimizer, build_scheduler
+from dflash.train.sources import keep_heads_only, training_source, training_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """What the loop carries between steps (step and best_tau are restored from a checkpoint)."""
+
+    step: int = 0
+    best_tau: float | None = None
+    window: dict = field(default_factory=dict)
+    """Sums since the last log line: loss, slot counts, tokens, anchors, weight, grad norm."""
+    window_start: float = field(default_factory=time.time)
+
+
+@dataclass
+class Model:
+    """The drafter and what updates it. `model` is what the forward calls (DDP/compiled wrapper)."""
+
+    drafter: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+
+
+def train(job: JobConfig) -> Path:
+    """Train a drafter as configured; returns the run folder."""
+    if job.checkpoint != "latest":
+        raise ConfigError("checkpoint= selects what evaluate.py evaluates; to continue training use "
+                          "train.resume=latest|best|step<N>|<path>")
+    acc = make_accelerator(job)
+    dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
+    setup_logging(main=acc.is_main_process)
+    run = open_run(job, acc)
+    setup_logging(run.log if acc.is_main_process else None, acc.is_main_process)
+
+    # data: the training source and the held-out set (the full target only while extracting)
+    target, layer_ids = training_target(job, acc.device)
+    source, manifest = training_source(job, target, layer_ids, dist)
+    heldout.prepare(job, target, layer_ids, dist)
+    heldout_set = heldout.load(job, target, layer_ids) if acc.is_main_process else None
+    if job.train.mode == "offline":
+        keep_heads_only(target)
+
+    # the drafter, fresh or resumed
+    resume_from = ckpt.resolve_checkpoint(run, job.train.resume) if job.train.resume else None
+    resumed = ckpt.load_train_state(resume_from) if resume_from else None
+    if resumed and resumed["manifest"] is not None:
+        check_provenance(resumed["manifest"], manifest, job.provenance.allow_mismatch,
+                         expected_name=f"checkpoint {resume_from.name}", actual_name="the training features")
+    torch.manual_seed(job.train.seed)  # here, so the init does not depend on what data preparation drew
+    random.seed(job.train.seed)
+    drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(job.drafter, job.layers, target)
+    if drafter.target_layer_ids != layer_ids:
+        raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
+    schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed)
+    total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
+    state = TrainState()
+    m = prepare_model(job, acc, drafter, total, resumed, state)
+
+    gamma = job.loss.gamma_for(drafter.block_size)
+    backend = attention_backend(job, acc.device)
+    data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
+                        drafter.block_size, drafter.mask_token_id, gamma)
+    batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
+                                               pin_memory=acc.device.type == "cuda"))
+    logger = RunLogger(run, job.logger, job, main=acc.is_main_process, job_type="train")
+    logger.summary({"train/total_steps": total, "train/num_sequences": len(source)})
+    evals: dict[str, dict] = {}
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=state.step, desc="train", unit="step",
+                   disable=not acc.is_main_process or None)
+        last_line = time.time()
+        if job.eval.at_start and state.step == 0:
+            evals["untrained (step 0)"] = evaluate(job, acc, drafter, target, heldout_set, run, logger, 0, backend)
+        state.window_start = time.time()
+        while state.step < total:
+            micro = [next(batches, None) for _ in range(job.train.grad_accum)]
+            if micro[-1] is None:
+                raise TrainingError(f"the data loader ended at step {state.step} of {total}")
+            train_step(job, acc, m, target, micro, state, gamma, backend, run)
+            state.step += 1
+            bar.update(1)
+            step, last = state.step, state.step == total
+            if step % job.train.log_every == 0 or last:
+                row = log_window(acc, logger, m, state, schedule.steps_per_epoch)
+                bar.set_postfix(loss=f"{row['train/loss']:.4f}", tau=f"{row['train/tau']:.2f}")
+                if bar.disable and time.time() - last_line > 30:  # no live bar (not a terminal): a line
+                    last_line = time.time()
+                    log.info("step %d/%d  loss %.4f  train tau %.2f  lr %.2e  %.0f tokens/s", step, total,
+                             row["train/loss"], row["train/tau"], row["train/lr"], row["train/tokens_per_s"])
+            eval_now = last or bool(job.eval.every and step % job.eval.every == 0)
+            if eval_now or step % job.train.save_every == 0:
+                if state.window:
+                    log_window(acc, logger, m, state, schedule.steps_per_epoch)
+                summary = evaluate(job, acc, drafter, target, heldout_set, run, logger, step, backend) \
+                    if eval_now else None
+                if summary is not None:
+                    evals[f"step {step}"] = summary
+                save(job, acc, m, run, state, manifest, total, summary)
+        bar.close()
+    finally:
+        logger.finish()
+    if acc.is_main_process and evals:
+        from dflash.evaluate.summary import print_summary
+
+        print(f"\nheld-out evaluation ({job.eval.prompts}, teacher-forced):")
+        print_summary(evals)
+        print(f"run folder: {run.path}")
+    return run.path
+
+
+def make_accelerator(job: JobConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    cuda = torch.cuda.is_available()
+    precision = job.train.mixed_precision
+    precision = ("bf16" if cuda else "no") if precision == "auto" else precision
+    plugin = FullyShardedDataParallelPlugin() if job.train.distributed == "fsdp" else None
+    return Accelerator(mixed_precision=precision, fsdp_plugin=plugin, cpu=not cuda)
+
+
+def attention_backend(job: JobConfig, device: torch.device) -> str:
+    if job.train.attention == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return job.train.attention
+
+
+def open_run(job: JobConfig, acc) -> RunLayout:
+    """The run folder (created by the main process; its name broadcast to all)."""
+    from accelerate.utils import broadcast_object_list
+    from omegaconf import OmegaConf
+
+    name = [job.run.name or (default_run_name(job) if acc.is_main_process else None)]
+    if job.train.resume and Path(job.train.resume).expanduser().is_dir():
+        name = [RunLayout.of_checkpoint(Path(job.train.resume)).name]
+    if acc.num_processes > 1:
+        broadcast_object_list(name)
+    run = RunLayout(Path(job.run.root) / name[0])
+    if acc.is_main_process:
+        if run.list_checkpoints() and not job.train.resume:
+            raise ConfigError(f"run {run.path} already has checkpoints; resume it with train.resume=latest, or "
+                              f"choose another run.name (nothing there was changed)")
+        run.path.mkdir(parents=True, exist_ok=True)
+        run.config.write_text(OmegaConf.to_yaml(OmegaConf.create(config_dict(job))))
+        record_run(run)
+    acc.wait_for_everyone()
+    return run
+
+
+def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None, state: TrainState) -> Model:
+    """Optimizer and schedule (restored when resuming), checkpointing, compile, accelerate wrappers."""
+    optimizer = build_optimizer(drafter, job.optim)
+    scheduler = build_scheduler(optimizer, total, job.optim)
+    if resumed:
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        state.step, state.best_tau = resumed["state"]["step"], resumed["state"].get("best_tau")
+        if resumed["state"].get("world_size") != acc.num_processes:
+            log.warning("resuming a %s-process run on %d processes: the data order changes from here on",
+                        resumed["state"].get("world_size"), acc.num_processes)
+    if job.train.gradient_checkpointing:
+        drafter.gradient_checkpointing_enable()
+    model = torch.compile(drafter) if job.train.compile else drafter
+    model, optimizer = acc.prepare(model, optimizer)
+    if resumed:
+        _restore_rng(resumed["rng"])
+    return Model(drafter, model, optimizer, scheduler)
+
+
+def batch_features(acc, target, drafter, batch) -> torch.Tensor:
+    """Context features of a micro-batch: from the cache, or (online) from the target now."""
+    if batch.features is not None:
+        return batch.features.to(acc.device, non_blocking=True)
+    mask = (torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]).long()
+    out = target_forward(target, batch.input_ids.to(acc.device), drafter.target_layer_ids,
+                         attention_mask=mask.to(acc.device) if bool((mask == 0).any()) else None)
+    return out.features.float()
+
+
+def train_step(job: JobConfig, acc, m: Model, target, micro: list, state: TrainState, gamma: float,
+               backend: str, run: RunLayout) -> None:
+    """One optimizer step over `micro` (grad_accum micro-batches); sums go into state.window."""
+    local_w = torch.tensor(sum(b.weight_sum for b in micro), dtype=torch.float64, device=acc.device)
+    total_w = acc.reduce(local_w, reduction="sum").item() if acc.num_processes > 1 else local_w.item()
+    scale = acc.num_processes / max(total_w, 1e-12)  # DDP averages gradients over processes
+    window, n_layers = state.window, len(m.drafter.target_layer_ids)
+    for i, batch in enumerate(micro):
+        blocks = batch.blocks.to(acc.device)
+        clean = batch_features(acc, target, m.drafter, batch)
+        noised = add_noise(clean, job.noise, n_layers, job.train.seed, batch.epoch, batch.index)
+        sync = i == len(micro) - 1
+        with acc.no_sync(m.model) if not sync else nullcontext(), acc.autocast():
+            hidden = draft_packed(m.drafter, target.embed_tokens, noised, blocks, backend, model=m.model)
+            loss_sum, _, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
+                                           job.loss.chunk_logits)
+        bad = torch.tensor(0.0 if torch.isfinite(loss_sum) else 1.0, device=acc.device)
+        if (acc.reduce(bad, reduction="sum") if acc.num_processes > 1 else bad).item():
+            raise TrainingError(_stopped(run, f"non-finite loss ({loss_sum.item()})", batch))
+        acc.backward(loss_sum * scale)
+        window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.item()
+        window["counts"] = metrics.add(window.get("counts"), metrics.count(pred, blocks.labels, blocks.label_mask))
+        window["tokens"] = window.get("tokens", 0) + int(batch.lengths.sum())
+        window["anchors"] = window.get("anchors", 0) + int(blocks.valid.sum())
+    window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
+    grad_norm = acc.clip_grad_norm_(m.model.parameters(), job.optim.grad_clip or float("inf"))
+    if not torch.isfinite(torch.as_tensor(grad_norm)):
+        raise TrainingError(_stopped(run, f"non-finite gradient norm ({grad_norm})", micro[-1]))
+    window["grad_norm"] = float(grad_norm)
+    m.optimizer.step()
+    m.scheduler.step()
+    m.optimizer.zero_grad(set_to_none=True)
+
+
+def _stopped(run: RunLayout, what: str, batch) -> str:
+    last = run.list_checkpoints()
+    kept = f"the last good checkpoint {last[-1][1]} is untouched" if last else "no checkpoint was written yet"
+    return (f"{what} at step {batch.step + 1} (epoch {batch.epoch}, micro-batch {batch.micro}, sequences "
+            f"{batch.ids}); stopping, {kept}. Lower optim.lr, check those sequences' features, or resume "
+            f"from the last checkpoint with train.resume=latest")
+
+
+def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_epoch: int) -> dict:
+    """Reduce the window's sums over processes and log train/* metrics; returns them."""
+    w = state.window
+    sums = torch.tensor([w["loss_sum"], w["tokens"], w["anchors"]], dtype=torch.float64, device=acc.device)
+    counts = {k: v.to(acc.device) for k, v in w["counts"].items()}
+    if acc.num_processes > 1:
+        sums = acc.reduce(sums, reduction="sum")
+        counts = {k: acc.reduce(v, reduction="sum") for k, v in counts.items()}
+    elapsed = max(time.time() - state.window_start, 1e-9)
+    out = {"train/loss": float(sums[0]) / max(w["weight"], 1e-12),
+           **metrics.finalize({k: v.cpu() for k, v in counts.items()}, "train"),
+           "train/lr": m.scheduler.get_last_lr()[0], "train/grad_norm": w["grad_norm"],
+           "train/tokens_per_s": float(sums[1]) / elapsed, "train/anchors_per_s": float(sums[2]) / elapsed,
+           "train/peak_memory_gb": peak_memory_bytes(acc.device) / 2**30,
+           "train/epoch": state.step / steps_per_epoch}
+    logger.log(out, state.step)
+    state.window = {}
+    state.window_start = time.time()
+    return out
+
+
+def evaluate(job: JobConfig, acc, drafter, target, heldout_set, run: RunLayout, logger: RunLogger, step: int,
+             backend: str) -> dict | None:
+    """Held-out teacher-forced eval of the current drafter on the main process (the others wait);
+    the summary there, None elsewhere."""
+    summary = None
+    if acc.is_main_process and heldout_set is not None:
+        from dflash.evaluate.runner import evaluate_in_run
+
+        summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
+    acc.wait_for_everyone()
+    return summary
+
+
+def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manifest: dict, total: int,
+         summary: dict | None) -> None:
+    """Checkpoint `state.step` (main process writes, atomically); best.json follows the held-out tau."""
+    step = state.step
+    # the z-lab names: without DDP/FSDP wrappers (get_state_dict) and torch.compile's prefix
+    state_dict = {k.replace("_orig_mod.", ""): v for k, v in acc.get_state_dict(m.model).items()}
+    if acc.is_main_process:
+        tau = summary["metrics"]["eval/tau"] if summary else None
+        if tau is not None and (state.best_tau is None or tau > state.best_tau):
+            state.best_tau = tau
+        loop_state = {"step": step, "total_steps": total, "best_tau": state.best_tau,
+                      "world_size": acc.num_processes, "seed": job.train.seed,
+                      "global_batch": job.train.batch_size * acc.num_processes * job.train.grad_accum}
+        path = ckpt.save_checkpoint(run, step, m.drafter, {k: v.cpu() for k, v in state_dict.items()},
+                                    m.optimizer.state_dict(), m.scheduler.state_dict(), _rng_state(), loop_state,
+                                    manifest)
+        if tau is not None and tau == state.best_tau:
+            ckpt.mark_best(run, step, tau)
+        ckpt.prune(run, job.train.keep_last)
+        log.info("step %d: checkpoint %s%s", step, path, f", held-out tau {tau:.3f}" if tau is not None else "")
+    acc.wait_for_everyone()
+
+
+def _restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if torch.cuda.is_available() and rng.get("cuda"):
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

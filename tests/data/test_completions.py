@@ -1,0 +1,126 @@
+import json
+
+import pytest
+
+from dflash.data.completions import completion_ids, obtain, read_store
+from dflash.errors import CompletionsError
+from dflash.config import CompletionsConfig
+from dflash.dist import Dist
+from tests.stub_server import StubServer
+
+PROMPTS = [(f"p{i}", f"prompt number {i}") for i in range(5)]
+SETTINGS = {"target": "abc", "max_new_tokens": 8}
+
+
+def server_cfg(url, **kw):
+    base = {"source": "server", "url": url, "ready_timeout_s": 10.0, "request_timeout_s": 5.0, "retries": 3,
+            "concurrency": 2, "max_new_tokens": 8}
+    return CompletionsConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def server():
+    s = StubServer().start()
+    yield s
+    s.stop()
+
+
+def test_cached_source_never_contacts_the_server(tmp_path, server):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": pid, "completion": "done"}) + "\n" for pid, _ in PROMPTS))
+    cfg = CompletionsConfig(source="cached", path=str(path), url=server.url)
+    records = obtain(cfg, path, PROMPTS, SETTINGS, Dist())
+    assert len(records) == 5 and server.calls == {"models": 0, "completions": 0}
+
+
+def test_cached_source_without_file_says_what_to_do(tmp_path):
+    cfg = CompletionsConfig(source="cached", path=str(tmp_path / "none.jsonl"))
+    with pytest.raises(CompletionsError, match="does not exist"):
+        obtain(cfg, tmp_path / "none.jsonl", PROMPTS, SETTINGS, Dist())
+
+
+def test_server_source_generates_stores_and_resumes(tmp_path, server):
+    path = tmp_path / "c.jsonl"
+    records = obtain(server_cfg(server.url), path, PROMPTS[:3], SETTINGS, Dist(), model="m", eos_id=99)
+    assert len(records) == 3 and server.calls["completions"] == 3
+    assert records["p0"]["finish_reason"] == "stop" and records["p0"]["completion"].startswith(" reply to")
+    with path.open("a") as f:
+        f.write('{"id": "p3", "compl')  # a write cut short by a crash
+    records = obtain(server_cfg(server.url), path, PROMPTS, SETTINGS, Dist(), model="m", eos_id=99)
+    assert len(records) == 5 and server.calls["completions"] == 5  # only p3 and p4 were generated
+
+
+def test_server_that_starts_late_is_waited_for(tmp_path):
+    late = StubServer().start(after_s=2.0)
+    try:
+        records = obtain(server_cfg(late.url), tmp_path / "c.jsonl", PROMPTS[:2], SETTINGS, Dist())
+        assert len(records) == 2 and late.calls["models"] >= 1
+    finally:
+        late.stop()
+
+
+def test_server_down_fails_with_the_url_and_the_fix(tmp_path):
+    cfg = server_cfg("http://127.0.0.1:9/v1", ready_timeout_s=1.0)
+    with pytest.raises(CompletionsError, match=r"no completions server answered at http://127.0.0.1:9/v1.*"
+                                              r"data.completions.url"):
+        obtain(cfg, tmp_path / "c.jsonl", PROMPTS, SETTINGS, Dist())
+
+
+def test_transient_errors_are_retried(tmp_path):
+    flaky = StubServer(fail_first=2).start()
+    try:
+        records = obtain(server_cfg(flaky.url, concurrency=1), tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist())
+        assert len(records) == 1 and flaky.calls["completions"] == 3
+    finally:
+        flaky.stop()
+
+
+def test_persistent_errors_and_bad_requests_fail_clearly(tmp_path):
+    broken = StubServer(fail_first=100).start()
+    bad = StubServer(fail_first=100, status=400).start()
+    try:
+        with pytest.raises(CompletionsError, match="after 2 attempts.*HTTP 500"):
+            obtain(server_cfg(broken.url, retries=2), tmp_path / "a.jsonl", PROMPTS[:1], SETTINGS, Dist())
+        with pytest.raises(CompletionsError, match="refused prompt p0 \\(HTTP 400\\)"):
+            obtain(server_cfg(bad.url), tmp_path / "b.jsonl", PROMPTS[:1], SETTINGS, Dist())
+        assert bad.calls["completions"] == 1  # a 400 is not retried
+    finally:
+        broken.stop()
+        bad.stop()
+
+
+def test_slow_server_times_out_then_fails(tmp_path):
+    slow = StubServer(delay_s=2.0).start()
+    try:
+        with pytest.raises(CompletionsError, match="after 2 attempts"):
+            obtain(server_cfg(slow.url, retries=2, request_timeout_s=0.3), tmp_path / "a.jsonl", PROMPTS[:1],
+                   SETTINGS, Dist())
+    finally:
+        slow.stop()
+
+
+def test_changed_settings_are_refused(tmp_path, server):
+    path = tmp_path / "c.jsonl"
+    obtain(server_cfg(server.url), path, PROMPTS[:1], SETTINGS, Dist())
+    with pytest.raises(CompletionsError, match="max_new_tokens: stored 8, now 16"):
+        obtain(server_cfg(server.url), path, PROMPTS, {**SETTINGS, "max_new_tokens": 16}, Dist())
+
+
+def test_processes_generate_disjoint_shares_and_merge(tmp_path, server):
+    path = tmp_path / "c.jsonl"
+    cfg = server_cfg(server.url)
+    obtain(cfg, path, PROMPTS, SETTINGS, Dist(rank=1, world=2))  # rank 1 first: writes its part file only
+    assert server.calls["completions"] == 2 and not path.exists()
+    records = obtain(cfg, path, PROMPTS, SETTINGS, Dist(rank=0, world=2))
+    assert server.calls["completions"] == 5 and sorted(records) == [p for p, _ in PROMPTS]
+    assert not list(tmp_path.glob("c.jsonl.part-*")) and len(read_store(path)) == 5
+
+
+def test_hf_source_stops_on_end_of_turn(tmp_path, tiny_targets):
+    target = tiny_targets["tiny_qwen3"]
+    cfg = CompletionsConfig(source="hf", max_new_tokens=12, batch_size=3)
+    records = obtain(cfg, tmp_path / "c.jsonl", PROMPTS[:3], SETTINGS, Dist(), target=target)
+    for rec in records.values():
+        ids = completion_ids(rec, target.tokenizer)
+        assert 1 <= len(ids) <= 12
+        assert rec["finish_reason"] == ("stop" if ids[-1] in target.stop_token_ids() else "length")

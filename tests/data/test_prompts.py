@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from dflash.data.prompts import load_prompts, prompts_hash
+from dflash.data.sequences import build_sequence
+
+
+def test_builtin_eval_prompts_are_the_ten_coding_tasks():
+    ids = [p.id for p in load_prompts("builtin:eval_coding")]
+    assert ids == ["fizzbuzz", "binary_search", "linked_list_reverse", "json_parser", "async_rate_limiter",
+                   "trie_autocomplete", "merge_sort", "lru_cache", "graph_bfs", "matrix_multiply"]
+
+
+def test_unknown_builtin_lists_the_available_sets():
+    with pytest.raises(FileNotFoundError, match="builtin:eval_coding"):
+        load_prompts("builtin:nope")
+
+
+def test_jsonl_parquet_and_directories(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": "a", "prompt": "hello"},
+            {"id": "b", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": "old answer"}]},
+            {"conversations": [{"from": "human", "value": "sharegpt style"}, {"from": "gpt", "value": "x"}]}]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"id": "c", "text": "from parquet"}]), tmp_path / "d" / "q.parquet")
+    prompts = load_prompts(str(tmp_path / "d"))
+    assert [p.id for p in prompts] == ["a", "b", "c"]
+    assert prompts[1].messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    (tmp_path / "s.jsonl").write_text(json.dumps(rows[2]) + "\n")
+    sg = load_prompts(str(tmp_path / "s.jsonl"))[0]
+    assert sg.messages == [{"role": "user", "content": "sharegpt style"}] and len(sg.id) == 16
+    assert prompts_hash(prompts) == prompts_hash(load_prompts(str(tmp_path / "d")))
+    assert [p.id for p in load_prompts(str(tmp_path / "d"), offset=1, limit=1)] == ["b"]
+
+
+def test_hf_dataset_from_local_files(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"id": "x", "prompt": "saved"}]).save_to_disk(str(tmp_path / "saved"))
+    assert load_prompts(str(tmp_path / "saved"), fmt="hf")[0].messages[0]["content"] == "saved"
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "train.jsonl").write_text(json.dumps({"id": "y", "prompt": "raw files"}) + "\n")
+    assert load_prompts(str(tmp_path / "raw"), fmt="hf")[0].id == "y"
+
+
+def test_bad_records_name_the_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"id": 1, "prompt": "ok"}\n{not json}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "nofield.jsonl").write_text('{"id": 1, "body": "x"}\n')
+    with pytest.raises(ValueError, match="data.prompt_key"):
+        load_prompts(str(tmp_path / "nofield.jsonl"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_sequence_masks_the_response_and_truncates():
+    seq = build_sequence("x", [1, 2, 3], [4, 5, 6, 7], max_length=6)
+    assert seq.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert seq.loss_mask.tolist() == [False, False, False, True, True, True]
+    assert build_sequence("x", [1] * 5, [4, 5], max_length=6) is None  # no room for two response tokens

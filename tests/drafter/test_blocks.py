@@ -1,0 +1,116 @@
+"""Block construction: anchors, labels, and the packed forward against one-block inference."""
+
+import pytest
+import torch
+
+from dflash.drafter.blocks import draft_block, draft_packed, eligible_anchors, pack_blocks, sample_anchors
+from tests.drafter.test_model import make_drafter
+
+B, MASK = 8, 299
+
+
+def test_anchors_need_the_next_position_in_the_response():
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert eligible_anchors(mask).tolist() == [3, 4, 7]
+    assert eligible_anchors(mask, region="all").tolist() == list(range(8))
+
+
+def test_anchor_sampling_is_seeded_distinct_and_capped():
+    mask = torch.ones(100, dtype=torch.bool)
+    a = sample_anchors(mask, 10, torch.Generator().manual_seed(0))
+    b = sample_anchors(mask, 10, torch.Generator().manual_seed(0))
+    c = sample_anchors(mask, 10, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.numel() == 10 and a.unique().numel() == 10 and torch.equal(a, a.sort().values)
+    assert sample_anchors(mask, 500).numel() == 99
+
+
+def test_labels_are_same_position_and_masked_past_the_end():
+    ids = torch.arange(100, 120)[None]
+    loss_mask = torch.tensor([[0] * 5 + [1] * 15], dtype=torch.bool)
+    blocks = pack_blocks(ids, loss_mask, torch.tensor([20]), [torch.tensor([5, 15])], B, MASK)
+    assert blocks.input_ids.view(2, B)[:, 0].tolist() == [105, 115]
+    assert (blocks.input_ids.view(2, B)[:, 1:] == MASK).all()
+    assert blocks.labels[0, 0].tolist() == list(range(105, 113))  # slot k -> x_{p+k}
+    assert blocks.label_mask[0, 0].tolist() == [False] + [True] * 7
+    assert blocks.label_mask[0, 1].tolist() == [False] + [True] * 4 + [False] * 3  # past the end
+    assert blocks.position_ids[0, 20:28].tolist() == list(range(5, 13))
+
+
+def _seq(L=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 290, (1, L), generator=g), torch.randn(1, L, 3 * 64, generator=g)
+
+
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 6)])
+def test_packed_forward_equals_one_block_inference(layer_types, window):
+    drafter = make_drafter(layer_types, window)
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    anchors = torch.tensor([1, 7, 12, 13, 25, 29])
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [anchors], B, MASK)
+    with torch.no_grad():
+        packed = draft_packed(drafter, embed, feats, blocks)
+        for j, p in enumerate(anchors.tolist()):
+            one = draft_block(drafter, embed, feats[:, :p], ids[:, p], p)
+            assert (packed[0, j] - one[0]).abs().max() < 1e-5, p
+
+
+def test_changes_at_or_after_the_anchor_do_not_reach_the_block():
+    """The leakage invariant: features and tokens at positions >= p (other than the block's own
+    input x_p) leave block p's output unchanged in the packed training forward."""
+    drafter = make_drafter()
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    p = 12
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]),
+                         [torch.tensor([3, p, 20])], B, MASK)
+    ids2, feats2 = ids.clone(), feats.clone()
+    ids2[:, p + 1:] = (ids2[:, p + 1:] + 1) % 290
+    feats2[:, p:] = torch.randn_like(feats2[:, p:])
+    blocks2 = pack_blocks(ids2, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]),
+                          [torch.tensor([3, p, 20])], B, MASK)
+    with torch.no_grad():
+        a = draft_packed(drafter, embed, feats, blocks)
+        b = draft_packed(drafter, embed, feats2, blocks2)
+        feats3 = feats.clone()
+        feats3[:, p - 1] += 1.0  # a change strictly before the anchor must reach it
+        c = draft_packed(drafter, embed, feats3, blocks)
+    assert torch.equal(a[0, 0], b[0, 0]) and torch.equal(a[0, 1], b[0, 1])
+    assert not torch.allclose(a[0, 2], b[0, 2])
+    assert not torch.allclose(a[0, 1], c[0, 1])
+
+
+def test_padded_batch_gives_each_sequence_its_own_result():
+    drafter = make_drafter()
+    embed = torch.nn.Embedding(300, 64)
+    (i1, f1), (i2, f2) = _seq(30, 1), _seq(18, 2)
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    ids[0], ids[1, :18] = i1[0], i2[0]
+    feats = torch.zeros(2, 30, 192)
+    feats[0], feats[1, :18] = f1[0], f2[0]
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[1, 18:] = False
+    anchors = [torch.tensor([2, 9, 20]), torch.tensor([4])]
+    blocks = pack_blocks(ids, mask, torch.tensor([30, 18]), anchors, B, MASK)
+    assert blocks.valid.tolist() == [[True] * 3, [True, False, False]]
+    with torch.no_grad():
+        out = draft_packed(drafter, embed, feats, blocks)
+        alone = draft_packed(drafter, embed, f2, pack_blocks(i2, mask[1:, :18], torch.tensor([18]),
+                                                             [anchors[1]], B, MASK))
+    assert (out[1, 0] - alone[0, 0]).abs().max() < 1e-5
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_flex_attention_path_matches_the_dense_path_on_cpu():
+    """The block mask the GPU path compiles, checked on CPU (flex compiles for CPU too)."""
+    drafter = make_drafter(["sliding_attention", "full_attention"], 6)
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]),
+                         [torch.tensor([1, 7, 12, 13, 25, 29])], B, MASK)
+    with torch.no_grad():
+        dense = draft_packed(drafter, embed, feats, blocks, "sdpa")
+        flex = draft_packed(drafter, embed, feats, blocks, "flex")
+    assert (dense - flex).abs().max() < 1e-5

@@ -1,0 +1,198 @@
+"""Held-out evaluation: metric truth, outputs, references side by side, provenance, W&B."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.drafter.build import build_drafter
+from dflash.errors import CheckpointError
+from dflash.config import DrafterConfig, LayersConfig
+from dflash.dist import Dist
+from dflash.evaluate import heldout
+from dflash.evaluate.runner import evaluate
+from dflash.evaluate.teacher_forced import summarize, teacher_forced
+from dflash.errors import ProvenanceError
+from dflash.train.loop import train
+from tests.conftest import compose
+from tests.oracle import OracleDrafter
+
+
+class FakeRun:
+    def __init__(self, store, id):
+        self.id, self.store = id, store
+        self.summary = {}
+        store["runs"].append(self)
+        self.logged, self.metrics = [], []
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics.append((name, step_metric))
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self):
+        pass
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    import wandb
+
+    store = {"init": [], "runs": []}
+
+    def init(**kw):
+        store["init"].append(kw)
+        return FakeRun(store, kw.get("id") or f"run{len(store['init'])}")
+
+    monkeypatch.setattr(wandb, "init", init)
+    return store
+
+
+def eval_job(tmp, *overrides, target="tiny_qwen3"):
+    return compose("evaluate", [
+        f"target={target}", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
+        "eval.max_new_tokens=40", "eval.max_prompts=2", "eval.ddtree_budgets=[2,8]", "train.num_anchors=16",
+        "train.num_workers=0", "train.log_every=1", f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs",
+        *overrides])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, dflash_home):
+    tmp = tmp_path_factory.mktemp("evalrun")
+    job = eval_job(tmp, "run.name=r1", "train.max_steps=4", "train.save_every=2")
+    run = train(job)
+    return tmp, run
+
+
+def test_oracle_drafter_gets_tau_B_and_random_drafter_about_1(trained, tiny_targets):
+    tmp, _ = trained
+    target = tiny_targets["tiny_qwen3"]
+    job = eval_job(tmp, "eval.max_prompts=1")
+    heldout.prepare(job, target, [1, 3], Dist())
+    eval_set = heldout.load(job, target, [1, 3])
+    ids, _, _ = eval_set[0]
+    oracle = OracleDrafter(target, ids.tolist(), layer_ids=(1, 3))
+    assert oracle.check_head()
+    records = teacher_forced(oracle, target.embed_tokens, target.lm_head, eval_set, job.eval)
+    assert records and all(r["streak"] == 7 for r in records)
+    m = summarize(records, 8, [2, 8])["metrics"]
+    assert m["eval/tau"] == 8.0 and m["eval/acc@7"] == 1.0 and m["eval/ddtree@8"] == 8.0
+    torch.manual_seed(0)
+    rand = build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]), target)
+    m = summarize(teacher_forced(rand, target.embed_tokens, target.lm_head, eval_set, job.eval), 8, [2, 8])["metrics"]
+    assert 1.0 <= m["eval/tau"] < 1.15 and m["eval/ddtree@2"] >= m["eval/tau"]
+
+
+def test_outputs_agree_with_blocks_jsonl_and_ddtree_is_monotone(trained, capsys):
+    tmp, run = trained
+    metrics = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4"))
+    out = run / "eval" / "step-000004"
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "blocks.jsonl").read_text().splitlines()]
+    assert summarize(records, 8, [2, 8]) == {k: summary[k] for k in ("metrics", "tau_histogram", "per_prompt",
+                                                                     "block_size", "ddtree_budgets")}
+    assert metrics == summary["metrics"] and summary["metrics"]["eval/prompts"] == 2
+    assert set(records[0]) >= {"prompt_id", "anchor", "target_tokens", "draft_tokens", "topk_ids", "streak"}
+    assert metrics["eval/tau"] <= metrics["eval/ddtree@2"] <= metrics["eval/ddtree@8"]
+    assert (out / "acc_per_position.png").exists() and (out / "tau_histogram.png").exists()
+    assert "step4" in capsys.readouterr().out
+
+
+def test_reference_drafter_evaluates_next_to_the_checkpoint(trained, capsys):
+    tmp, run = trained
+    ref = tmp / "reference"
+    shutil.copytree(run / "checkpoints" / "step-000002", ref, ignore=shutil.ignore_patterns("train_state"))
+    evaluate(eval_job(tmp, "run.name=r1", "checkpoint=latest", f"eval.compare=[{ref}]"))
+    table = capsys.readouterr().out
+    assert "step4" in table and "reference" in table
+    main = run / "eval" / "step-000004"
+    assert (main / "compare" / "reference" / "summary.json").exists()
+    a = [json.loads(x)["anchor"] for x in (main / "blocks.jsonl").read_text().splitlines()]
+    b = [json.loads(x)["anchor"] for x in (main / "compare/reference/blocks.jsonl").read_text().splitlines()]
+    assert a == b  # exactly the same blocks
+    assert list(run.glob("eval/step-000004.*")), "the earlier evaluation was kept, not overwritten"
+
+
+def test_foreign_drafter_directory_evaluates_without_a_run(trained):
+    tmp, run = trained
+    ref = tmp / "zlab_style"
+    shutil.copytree(run / "checkpoints" / "step-000004", ref, ignore=shutil.ignore_patterns("train_state"))
+    metrics = evaluate(eval_job(tmp, f"checkpoint={ref}"))
+    assert metrics["eval/blocks"] > 0 and (tmp / "runs" / "eval" / "zlab_style" / "summary.json").exists()
+
+
+def test_unknown_checkpoint_lists_the_available_ones(trained):
+    tmp, _ = trained
+    with pytest.raises(CheckpointError, match=r"no checkpoint 'step7'.*available: step2, step4"):
+        evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step7"))
+    with pytest.raises(FileNotFoundError, match="no run 'nope'.*r1"):
+        evaluate(eval_job(tmp, "run.name=nope"))
+
+
+def test_features_from_another_backend_are_refused_unless_allowed(trained):
+    tmp, run = trained
+    bad = tmp / "runs" / "r1b"
+    shutil.copytree(run, bad)
+    manifest_path = bad / "checkpoints/step-000004/train_state/manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["kernel_backend"] = "full_attention=flash_attention_2"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ProvenanceError, match=r"(?s)kernel_backend: .*flash_attention_2.*full_attention=sdpa.*"
+                                              r"provenance.allow_mismatch=\[kernel_backend\]"):
+        evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4"))
+    with pytest.raises(ProvenanceError, match="the live target's features"):  # live decoding is guarded too
+        evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4", "eval=live", "eval.max_new_tokens=8"))
+    evaluate(eval_job(tmp, "run.name=r1b", "checkpoint=step4", "provenance.allow_mismatch=[kernel_backend]"))
+    summary = json.loads((bad / "eval/step-000004/summary.json").read_text())
+    assert summary["provenance_allowed"] == {"step4": ["kernel_backend"]}
+
+
+def test_drafter_that_does_not_fit_the_target_is_refused(trained):
+    tmp, run = trained
+    from dflash.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reads target layers"):
+        evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "target=tiny_qwen3", "target.num_layers=null",
+                          "eval.compare=[" + str(_drafter_for_36_layers(tmp)) + "]"))
+
+
+def _drafter_for_36_layers(tmp) -> Path:
+    from transformers import Qwen3Config
+
+    from dflash.drafter.model import DFlashDraftModel, drafter_config
+
+    cfg = Qwen3Config(vocab_size=262, hidden_size=64, intermediate_size=64, num_hidden_layers=36,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    path = tmp / "deep_drafter"
+    DFlashDraftModel(drafter_config(cfg, num_layers=1, block_size=8, target_layer_ids=[1, 33],
+                                 mask_token_id=261)).save_pretrained(path)
+    return path
+
+
+def test_eval_lands_in_the_training_run_at_its_step(tmp_path, fake_wandb):
+    run = train(eval_job(tmp_path, "run.name=w", "logger=wandb_offline", "train.max_steps=4", "train.save_every=2"))
+    info = json.loads((run / "run.json").read_text())
+    train_run = fake_wandb["runs"][0]
+    assert info["wandb_id"] == train_run.id and ("eval/*", "train/step") in train_run.metrics
+    evaluate(eval_job(tmp_path, "run.name=w", "logger=wandb_offline", "checkpoint=step2"))
+    init = fake_wandb["init"][-1]
+    assert init["id"] == info["wandb_id"] and init["resume"] == "allow" and init["job_type"] == "eval"
+    eval_run = fake_wandb["runs"][-1]
+    assert ("eval/*", "train/step") in eval_run.metrics
+    scalars = [d for d in eval_run.logged if "eval/tau" in d]
+    assert len(scalars) == 1 and scalars[0]["train/step"] == 2
+    assert any("eval/acc_per_position" in d for d in eval_run.logged)
+    assert json.loads((run / "run.json").read_text())["wandb_id"] == info["wandb_id"]
+
+
+def test_live_mode_is_lossless_and_reports_real_tau(trained, capsys):
+    tmp, run = trained
+    metrics = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval=live", "eval.max_new_tokens=24",
+                                "eval.ddtree_budgets=[4]"))
+    assert metrics["eval/live_tokens"] == 48 and 1.0 <= metrics["eval/live_tau"] <= 8
+    assert metrics["eval/live_ddtree@4_tau"] >= 1.0 and metrics["eval/live_ties"] == 0
+    assert (run / "eval/step-000004-live/summary.json").exists()
+    assert "tok/forward" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""Target loading, layer ids and kernel reports on the tiny presets."""
+
+import pytest
+import torch
+
+from dflash.drafter.build import build_drafter, check_fits
+from dflash.config import DrafterConfig, LayersConfig
+from dflash.errors import ConfigError
+from dflash.target.features import target_forward
+from dflash.target import build_target_layer_ids, load_target, resolve_layer_ids
+from dflash.target.identity import kernel_backend
+from tests.conftest import compose
+
+
+@pytest.mark.parametrize("T,n,ids", [(36, 5, [1, 9, 17, 25, 33]), (64, 5, [1, 16, 31, 46, 61]),
+                                     (8, 5, [1, 2, 3, 4, 5]), (28, 1, [14])])
+def test_reference_layer_formula(T, n, ids):
+    assert build_target_layer_ids(T, n) == ids
+
+
+def test_layer_ids_out_of_range_are_named():
+    with pytest.raises(ConfigError, match=r"\[40\].*outside \[0, 36\)"):
+        resolve_layer_ids(LayersConfig(ids=[1, 40]), 36)
+
+
+def test_last_layer_is_refused_unless_allowed():
+    with pytest.raises(ConfigError, match="last layer.*allow_last_layer"):
+        resolve_layer_ids(LayersConfig(ids=[1, 35]), 36)
+    assert resolve_layer_ids(LayersConfig(ids=[1, 35], allow_last_layer=True), 36) == [1, 35]
+
+
+def test_formula_that_repeats_layers_is_refused():
+    with pytest.raises(ConfigError, match="repeated layer ids"):
+        resolve_layer_ids(LayersConfig(num=5), 6)
+
+
+def test_tiny_presets_load_through_from_pretrained(tiny_targets, dflash_home):
+    q3, q35 = tiny_targets["tiny_qwen3"], tiny_targets["tiny_qwen3_5"]
+    assert (dflash_home / "targets" / "tiny_qwen3" / "config.json").exists()
+    assert q3.num_layers == q35.num_layers == 8 and q3.hidden_size == 64
+    assert not q3.is_hybrid and q35.is_hybrid
+    assert q35.layer_types.count("linear_attention") == 6
+    assert q3.tokenizer.mask_token_id == q3.mask_token_id == 261
+    assert isinstance(q3.embed_tokens, torch.nn.Embedding) and q3.lm_head.weight.shape == (q3.vocab_size, 64)
+
+
+def test_kernel_report_names_the_fallback_on_cpu(tiny_targets):
+    report = tiny_targets["tiny_qwen3_5"].kernels
+    assert report["linear_attention"] == "torch_fallback" and report["causal_conv1d"] == "torch_fallback"
+    assert report["full_attention"] == "sdpa"
+    assert "linear_attention" not in tiny_targets["tiny_qwen3"].kernels
+    assert kernel_backend(report).startswith("causal_conv1d=torch_fallback,")
+
+
+def test_features_equal_output_hidden_states(tiny_target):
+    ids = torch.randint(0, 256, (2, 23))
+    layer_ids = [1, 4, 7]  # 7 is the last layer: HF reports it after the final norm
+    out = target_forward(tiny_target, ids, layer_ids)
+    with torch.no_grad():
+        ref = tiny_target.model(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(out.features, torch.cat([ref[i + 1] for i in layer_ids], -1))
+
+
+def test_mask_token_outside_vocab_is_refused(dflash_home):
+    cfg = compose("train", ["target=tiny_qwen3", "target.mask_token_id=5000"]).target
+    with pytest.raises(ConfigError, match="mask_token_id=5000.*outside"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_wrong_layer_count_is_refused(dflash_home):
+    cfg = compose("train", ["target=tiny_qwen3", "target.num_layers=36"]).target
+    with pytest.raises(ConfigError, match="num_layers=36"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_missing_target_path_is_explained():
+    cfg = compose("train", ["target=tiny_qwen3", "target.build=null", "target.path=/nonexistent/model"]).target
+    with pytest.raises(FileNotFoundError, match="target.path"):
+        load_target(cfg, torch.device("cpu"))
+
+
+def test_drafter_sized_after_target(tiny_target):
+    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=8), LayersConfig(num=3), tiny_target)
+    assert drafter.target_layer_ids == [1, 3, 5]
+    assert drafter.fc.weight.shape == (64, 3 * 64) and drafter.mask_token_id == 261
+
+
+def test_drafter_of_another_width_is_refused(tiny_targets):
+    from transformers import Qwen3Config
+
+    from dflash.drafter.model import DFlashDraftModel, drafter_config
+
+    wide = Qwen3Config(vocab_size=262, hidden_size=96, intermediate_size=64, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2)
+    drafter = DFlashDraftModel(drafter_config(wide, num_layers=1, block_size=4, target_layer_ids=[1],
+                                           mask_token_id=261))
+    with pytest.raises(ConfigError, match="hidden size 96 but the target has 64"):
+        check_fits(drafter, tiny_targets["tiny_qwen3"])
+
+
+def test_tokenizer_fingerprint_ignores_call_time_settings(tiny_targets):
+    from dflash.target.identity import tokenizer_fingerprint
+
+    tok = tiny_targets["tiny_qwen3"].tokenizer
+    before = tokenizer_fingerprint(tok)
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        assert tokenizer_fingerprint(tok) == before
+    finally:
+        tok.padding_side = side
+
+
+def test_composite_qwen3_5_checkpoint_loads_its_text_part(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (text + vision, as Qwen publishes them)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash.target.builtin import tiny_qwen3_5_config
+    from dflash.config import TargetConfig
+    from dflash.target.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=tiny_qwen3_5_config(len(tok)).to_dict(),
+                                                         vision_config=vision)).eval()
+    full.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = TargetConfig(name="composite", path=str(tmp_path), mask_token_id=261, dtype="float32")
+    target = load_target(cfg, torch.device("cpu"))
+    assert target.num_layers == 8 and target.is_hybrid and target.kernels["linear_attention"] == "torch_fallback"
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(full(input_ids=ids).logits, target.model(input_ids=ids).logits)
+    heads = load_target(cfg, torch.device("cpu"), heads_only=True)
+    assert heads.model is None and torch.equal(heads.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(heads.lm_head.weight, target.lm_head.weight)
+
+
+def test_builtin_target_under_home_is_built_once(tmp_path, monkeypatch):
+    """The preset path starts with ~; it must be expanded before checking whether it exists."""
+    from dflash.target import builtin as builtin_targets
+    from dflash.config import TargetConfig
+    from dflash.target.loading import ensure_built
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    calls = []
+    real = builtin_targets.build
+    monkeypatch.setattr(builtin_targets, "build", lambda name, dest: (calls.append(name), real(name, dest)))
+    cfg = TargetConfig(name="t", path="~/.cache/dflash/targets/tiny_qwen3", build="tiny_qwen3", mask_token_id=261)
+    ensure_built(cfg)
+    ensure_built(cfg)
+    assert calls == ["tiny_qwen3"] and (tmp_path / ".cache/dflash/targets/tiny_qwen3/config.json").exists()

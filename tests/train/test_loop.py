@@ -1,0 +1,172 @@
+"""The training loop on the tiny targets: learning, checkpoints, resume, noise, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.train import loop as training
+from dflash.layout import RunLayout
+from dflash.errors import ConfigError
+from dflash.errors import TrainingError
+from dflash.train.loop import train
+from tests.conftest import compose
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+def job_for(workdir: Path, name: str, *overrides: str, target="tiny_qwen3_5"):
+    return compose("train", [
+        f"target={target}", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
+        "eval.max_new_tokens=32", "eval.max_prompts=3", "eval.ddtree_budgets=[4]", "eval.plots=false",
+        "train.num_anchors=16", "train.log_every=1", "train.num_workers=0", "optim.lr=3e-3",
+        f"features.dir={workdir}/cache/{target}/tiny/features", f"run.root={workdir}/runs", f"run.name={name}",
+        *overrides])
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_parameters_change_and_files_are_written(workdir):
+    # a random-weight target's lm_head has tiny logits, so learning is slow; memorising four
+    # sequences shows the signal within seconds
+    run = train(job_for(workdir, "learn", "train.max_steps=40", "train.save_every=10", "train.keep_last=2",
+                        "train.batch_size=4", "data.limit=4", "train.num_anchors=64", "optim.lr=1e-2",
+                        "optim.schedule=constant", f"features.dir={workdir}/cache4/features"))
+    ckpts = RunLayout(run).list_checkpoints()
+    assert [s for s, _ in ckpts] == [30, 40]  # keep_last=2
+    for f in ("config.yaml", "run.json", "metrics.jsonl", "train.log"):
+        assert (run / f).exists(), f
+    final = ckpts[-1][1]
+    assert {p.name for p in final.iterdir()} >= {"config.json", "model.safetensors", "train_state"}
+    assert (final / "train_state" / "manifest.json").exists()
+    rows = [r for r in metrics(run) if "train/loss" in r]
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
+    first, last = sum(r["train/loss"] for r in rows[:5]) / 5, sum(r["train/loss"] for r in rows[-5:]) / 5
+    assert last < first - 0.4, (first, last)
+    assert rows[-1]["train/tau"] > rows[0]["train/tau"] + 0.3
+    for key in ("train/acc@1", "train/acc@7", "train/streak", "train/tau", "train/lr", "train/grad_norm",
+                "train/tokens_per_s", "train/anchors_per_s", "train/peak_memory_gb"):
+        assert key in rows[-1]
+    init = load_file(ckpts[0][1] / "model.safetensors")
+    end = load_file(final / "model.safetensors")
+    assert any(not torch.equal(init[k], end[k]) for k in end)
+    assert set(end) == set(init) and not any(k.startswith(("embed", "lm_head")) for k in end)
+    evals = [r for r in metrics(run) if "eval/tau" in r]
+    assert [r["step"] for r in evals] == [0, 40] and (run / "eval" / "step-000040" / "summary.json").exists()
+
+
+def test_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
+    common = ("train.max_steps=8", "train.save_every=4", "noise=gaussian", "train.batch_size=2")
+    full = train(job_for(workdir, "full", *common))
+    original = training.save
+
+    def save_then_die(job, acc, m, run, state, *args):
+        original(job, acc, m, run, state, *args)
+        if state.step == 4:
+            raise KeyboardInterrupt("simulated preemption")
+
+    monkeypatch.setattr(training, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(job_for(workdir, "cut", *common))
+    monkeypatch.setattr(training, "save", original)
+    resumed = train(job_for(workdir, "cut", *common, "train.resume=latest"))
+    a, b = load_file(full / "checkpoints/step-000008/model.safetensors"), load_file(
+        resumed / "checkpoints/step-000008/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    loss = lambda run: {r["step"]: r["train/loss"] for r in metrics(run) if "train/loss" in r}  # noqa: E731
+    assert loss(full) == loss(resumed)
+
+
+def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
+    seen = {}
+    real_draft, real_loss = training.draft_packed, training.block_loss
+
+    def spy_draft(drafter, embed, features, blocks, backend, model=None):
+        seen.setdefault("features", []).append(features.clone())
+        return real_draft(drafter, embed, features, blocks, backend, model=model)
+
+    def spy_loss(hidden, weight, labels, mask, gamma, chunk):
+        seen.setdefault("labels", []).append(labels.clone())
+        return real_loss(hidden, weight, labels, mask, gamma, chunk)
+
+    monkeypatch.setattr(training, "draft_packed", spy_draft)
+    monkeypatch.setattr(training, "block_loss", spy_loss)
+    train(job_for(workdir, "clean", "train.max_steps=2"))
+    clean = dict(seen)
+    seen.clear()
+    train(job_for(workdir, "noisy", "train.max_steps=2", "noise=uniform", "noise.scale=0.5"))
+    for c, n in zip(clean["labels"], seen["labels"]):
+        assert torch.equal(c, n)
+    for c, n in zip(clean["features"], seen["features"]):
+        assert c.shape == n.shape and not torch.allclose(c, n)
+        rel = ((n - c).norm() / c.norm()).item()
+        assert 0.05 < rel < 0.6, rel
+
+
+def test_nan_loss_stops_with_step_and_batch_and_keeps_the_checkpoint(workdir, monkeypatch):
+    real = training.block_loss
+    calls = {"n": 0}
+
+    def poisoned(*args):
+        calls["n"] += 1
+        loss_sum, w, pred = real(*args)
+        return (loss_sum * float("nan") if calls["n"] == 6 else loss_sum), w, pred
+
+    monkeypatch.setattr(training, "block_loss", poisoned)
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at step 6 .*sequences \['tiny-.*untouched"):
+        train(job_for(workdir, "nan", "train.max_steps=10", "train.save_every=4"))
+    run = workdir / "runs" / "nan"
+    assert [s for s, _ in RunLayout(run).list_checkpoints()] == [4]
+    assert load_file(run / "checkpoints/step-000004/model.safetensors")
+
+
+def test_offline_cache_with_other_layers_is_refused(workdir):
+    train(job_for(workdir, "layers-a", "train.max_steps=1"))
+    with pytest.raises(ConfigError, match=r"holds layers \[1, 2, 3, 4, 5\] but the drafter reads \[1, 3, 5\]"):
+        train(job_for(workdir, "layers-b", "train.max_steps=1", "layers.num=3"))
+
+
+def test_existing_run_is_not_overwritten(workdir):
+    train(job_for(workdir, "once", "train.max_steps=1"))
+    before = (workdir / "runs/once/checkpoints/step-000001/model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="already has checkpoints.*train.resume=latest"):
+        train(job_for(workdir, "once", "train.max_steps=1"))
+    assert (workdir / "runs/once/checkpoints/step-000001/model.safetensors").read_bytes() == before
+
+
+def test_online_mode_matches_offline_mode(workdir):
+    """Online features come from the same feature function as the cache: same losses."""
+    off = train(job_for(workdir, "off", "train.max_steps=3", "train.mode=offline", "features.storage=float32",
+                        f"features.dir={workdir}/cache32/features"))
+    on = train(job_for(workdir, "on", "train.max_steps=3", "train.mode=online",
+                       f"features.dir={workdir}/cache32/features"))
+    a = [r["train/loss"] for r in metrics(off) if "train/loss" in r]
+    b = [r["train/loss"] for r in metrics(on) if "train/loss" in r]
+    assert len(a) == 3 and all(abs(x - y) < 1e-4 for x, y in zip(a, b)), (a, b)
+
+
+def test_cache_of_another_target_is_refused(workdir):
+    from dflash.errors import ProvenanceError
+
+    train(job_for(workdir, "q3", "train.max_steps=1", f"features.dir={workdir}/cache-q3/features",
+                  target="tiny_qwen3"))
+    with pytest.raises(ProvenanceError, match=r"(?s)target: .*in target tiny_qwen3_5.*in the feature cache.*"
+                                              r"allow_mismatch=\[target\]"):
+        train(job_for(workdir, "q35-on-q3", "train.max_steps=1", f"features.dir={workdir}/cache-q3/features"))
+
+
+@pytest.mark.slow
+def test_compiled_drafter_trains_and_saves_the_zlab_layout(workdir):
+    from dflash.drafter.build import load_drafter
+
+    run = train(job_for(workdir, "compiled", "train.max_steps=2", "train.compile=true"))
+    ckpt = run / "checkpoints/step-000002"
+    assert all(not k.startswith("_orig_mod") for k in load_file(ckpt / "model.safetensors"))
+    assert load_drafter(str(ckpt)).target_layer_ids == [1, 2, 3, 4, 5]
