@@ -247,8 +247,8 @@ def eval_blocks(quick: bool, device, **_) -> dict:
 
 def live(quick: bool, device, drafter: str | None, **_) -> dict:
     """Real speculative decoding: tokens per target forward and wall time against plain decoding."""
-    from dflash.drafter.build import build_drafter, load_drafter
     from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter, load_drafter
     from dflash.evaluate.decode import greedy_generate, speculative_generate
 
     name, target = _bench_target(device)
@@ -287,11 +287,11 @@ def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
     """Held-out metrics of one trained drafter on the same features stored as float32, bf16 and fp8."""
     if not drafter:
         return {"skipped": "needs --drafter <trained drafter dir>: an untrained drafter scores tau 1 on any storage"}
-    from dflash.drafter.build import load_drafter
-    from dflash.data.completions import generate_hf
     from dflash.config import CompletionsConfig, EvalConfig
+    from dflash.data.completions import generate_hf
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.data.sequences import build_sequence
+    from dflash.drafter.build import load_drafter
     from dflash.evaluate.teacher_forced import summarize, teacher_forced
     from dflash.target.features import target_forward
 

@@ -39,5 +39,10 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> None:
     _replace(path, write)
 
 
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path`, atomically."""
+    _replace(path, lambda f: f.write(text))
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())

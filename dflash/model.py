@@ -3,6 +3,6 @@
     from dflash.model import DFlashDrafter   # == dflash.drafter.model.DFlashDraftModel
 """
 
-from dflash.drafter.model import DFlashDraftModel, DFlashDrafter, drafter_config
+from dflash.drafter.model import DFlashDrafter, DFlashDraftModel, drafter_config
 
 __all__ = ["DFlashDraftModel", "DFlashDrafter", "drafter_config"]

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path

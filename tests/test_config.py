@@ -1,7 +1,10 @@
+import itertools
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from dflash.config import DrafterConfig, LossConfig, NoiseConfig
 from dflash.errors import ConfigError
@@ -44,6 +47,52 @@ def test_presets_hold_the_public_shapes():
     assert q36.drafter.sliding_window == 2048
     q35 = compose("train", ["experiment=qwen3_5_27b", "data.prompts=x.jsonl"])
     assert q35.drafter.resolved_layer_types() == ["full_attention"] * 5
+
+
+def test_debug_tiny_is_the_tiny_and_fast_setup():
+    job = compose("train", ["debug=tiny"])
+    assert (job.target.name, job.data.name, job.drafter.num_layers, job.logger.backend) == (
+        "tiny_qwen3", "tiny", 2, "none")
+    assert job.data.completions.max_new_tokens == job.eval.max_new_tokens == 32
+    assert (job.eval.max_prompts, job.eval.ddtree_budgets, job.eval.plots) == (2, [4], False)
+    assert (job.train.num_anchors, job.train.num_workers, job.train.log_every) == (16, 0, 1)
+
+
+@pytest.mark.parametrize("overrides", [["debug=tiny", "target=tiny_qwen3_5"], ["target=tiny_qwen3_5", "debug=tiny"]])
+def test_a_group_given_on_the_command_line_wins_over_debug(overrides):
+    job = compose("train", overrides + ["logger=wandb_offline"])
+    assert job.target.name == "tiny_qwen3_5" and job.logger.backend == "wandb"
+    assert job.drafter.num_layers == 2 and job.train.num_anchors == 16
+
+
+def sweep_runs():
+    """(sweep file, overrides, expected values) for every run a W&B sweep in sweeps/ can start: the
+    product of each parameter's values (a distribution's min and max), plus the command's fixed
+    key=value arguments. W&B passes ${args_no_hyphens} as key=str(value)."""
+    for path in sorted((REPO / "sweeps").glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text())
+        fixed = [a for a in spec["command"] if re.fullmatch(r"[\w.]+=[^$]+", str(a))]
+        if any(a.startswith("experiment=") for a in fixed):
+            fixed.append("data.prompts=/tmp/x.jsonl")  # the experiments read the user's prompts
+        keys = list(spec["parameters"])
+        choices = [p["values"] if "values" in p else [p["min"], p["max"]] for p in spec["parameters"].values()]
+        for values in itertools.product(*choices):
+            yield path.name, fixed + [f"{k}={v}" for k, v in zip(keys, values)], dict(zip(keys, values))
+
+
+SWEEP_RUNS = list(sweep_runs())
+
+
+@pytest.mark.parametrize("sweep,overrides,expected", SWEEP_RUNS,
+                         ids=[f"{s}:{','.join(o)}" for s, o, _ in SWEEP_RUNS])
+def test_every_wandb_sweep_run_composes_and_sets_its_parameters(sweep, overrides, expected):
+    job = compose("train", overrides)
+    for key, value in expected.items():
+        section, field = key.split(".")
+        want = yaml.safe_load(value) if isinstance(value, str) else value  # "[1,9,17]" arrives as a list
+        assert getattr(getattr(job, section), field) == want, key
+    if "logger=wandb" in overrides:
+        assert job.logger.backend == "wandb" and job.logger.mode == "online"
 
 
 def test_unknown_preset_names_the_available_ones():

@@ -45,8 +45,7 @@ def test_bf16_training_step_on_cuda(tmp_path):
     from tests.conftest import compose
 
     run = train(compose("train", [
-        "target=tiny_qwen3", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
-        "eval.max_new_tokens=32", "eval.max_prompts=2", "train.num_anchors=32", "train.num_workers=0",
-        "train.max_steps=4", "target.dtype=bfloat16", f"features.dir={tmp_path}/cache/features",
+        "debug=tiny", "eval.ddtree_budgets=[4,8,16,32]", "eval.plots=true", "train.num_anchors=32",
+        "train.log_every=10", "train.max_steps=4", "target.dtype=bfloat16", f"features.dir={tmp_path}/cache/features",
         f"run.root={tmp_path}/runs", "run.name=gpu"]))
     assert (run / "checkpoints/step-000004/model.safetensors").exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 from dflash.config import ReportConfig
 from dflash.errors import NotFoundError
 from dflash.evaluate.plots import acc_curve, line_plot
+from dflash.io import write_json
 from dflash.layout import RunLayout
 from dflash.tracking import read_metrics
 
@@ -139,9 +140,8 @@ def write_report(paths: list[Path], out: Path) -> Path:
         "<!doctype html><meta charset=utf-8><title>dflash runs</title><h1>dflash run comparison</h1><table border=1>"
         "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + f"</tr>{cells}</table>"
         + "".join(f'<h3>{n}</h3><img src="{p.name}">' for n, p in plots.items()))
-    (out / "summary.json").write_text(json.dumps({"rows": rows, "differing": {k: {r["name"]: r["config"].get(k)
-                                                                                   for r in runs} for k in keys}},
-                                                 indent=1, default=str))
+    write_json(out / "summary.json", {"rows": rows, "differing": {k: {r["name"]: r["config"].get(k) for r in runs}
+                                                                   for k in keys}})
     return page
 
 

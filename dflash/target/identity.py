@@ -92,7 +92,7 @@ def weights_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def target_identity(target: Target) -> dict:
+def target_identity(target) -> dict:
     """What names a target in a manifest: architecture, depth, width, vocab and a weights
     fingerprint (not its path: the same weights may live in different places)."""
     c = target.config

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import NotFoundError
+from dflash.io import write_json
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def build_toy_target(dest: Path, steps: int = 440, seed: int = 0, batch: int = 1
         "build_seconds": round(time.time() - t0, 1), "python": sys.version.split()[0], "torch": torch.__version__,
         "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (dest / "toy_info.json").write_text(json.dumps(record, indent=1))
+    write_json(dest / "toy_info.json", record)
     log.info("toy target built in %.0f s: held-out loss %.3f nats/token", record["build_seconds"], val_loss)
     return record
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.drafter.blocks import PackedBlocks, pack_blocks, sample_anchors
 from dflash.config import NoiseConfig
+from dflash.drafter.blocks import PackedBlocks, pack_blocks, sample_anchors
 from dflash.drafter.loss import slot_weights
 
 

@@ -27,6 +27,7 @@ from dflash.drafter.build import build_drafter, load_drafter
 from dflash.drafter.loss import block_loss
 from dflash.errors import ConfigError, TrainingError
 from dflash.evaluate import heldout
+from dflash.io import write_text
 from dflash.layout import RunLayout
 from dflash.provenance import check_provenance
 from dflash.target.features import target_forward
@@ -182,7 +183,7 @@ def open_run(job: JobConfig, acc) -> RunLayout:
             raise ConfigError(f"run {run.path} already has checkpoints; resume it with train.resume=latest, or "
                               f"choose another run.name (nothing there was changed)")
         run.path.mkdir(parents=True, exist_ok=True)
-        run.config.write_text(OmegaConf.to_yaml(OmegaConf.create(config_dict(job))))
+        write_text(run.config, OmegaConf.to_yaml(OmegaConf.create(config_dict(job))))
         record_run(run)
     acc.wait_for_everyone()
     return run

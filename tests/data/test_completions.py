@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from dflash.data.completions import completion_ids, obtain, read_store
-from dflash.errors import CompletionsError
 from dflash.config import CompletionsConfig
+from dflash.data.completions import completion_ids, obtain, read_store
 from dflash.dist import Dist
+from dflash.errors import CompletionsError
 from tests.stub_server import StubServer
 
 PROMPTS = [(f"p{i}", f"prompt number {i}") for i in range(5)]

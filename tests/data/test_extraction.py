@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from dflash.data.cache import FeatureCache
-from dflash.dist import Dist
 from dflash.data.extraction import extract_training
-from dflash.target.features import target_forward
+from dflash.dist import Dist
 from dflash.errors import ProvenanceError
 from dflash.provenance import check_provenance
+from dflash.target.features import target_forward
 from tests.conftest import REPO, compose
 
 MANIFEST_FIELDS = {"target", "target_path", "tokenizer", "layer_ids", "dtype", "storage", "kernel_backend", "kernels",

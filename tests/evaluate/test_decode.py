@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash.drafter.build import build_drafter
 from dflash.config import DrafterConfig, LayersConfig
+from dflash.drafter.build import build_drafter
 from dflash.evaluate.decode import greedy_generate, speculative_generate
 from tests.oracle import OracleDrafter
 

@@ -17,10 +17,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
-    overrides = ["target=tiny_qwen3", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32",
-                 "logger=wandb_offline", "eval.max_new_tokens=32", "eval.max_prompts=2", "eval.ddtree_budgets=[4,8]",
-                 "train.num_anchors=16", "train.num_workers=0", "train.log_every=1", "train.max_steps=4",
-                 "train.save_every=2", "eval.every=2", f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs"]
+    overrides = ["debug=tiny", "logger=wandb_offline", "eval.ddtree_budgets=[4,8]", "eval.plots=true",
+                 "train.max_steps=4", "train.save_every=2", "eval.every=2", f"features.dir={tmp}/cache/features",
+                 f"run.root={tmp}/runs"]
     env = {**os.environ, "WANDB_MODE": "offline"}
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "optim.lr=1e-3,3e-3", *overrides],
                             cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
@@ -34,7 +33,9 @@ def test_multirun_makes_one_run_folder_and_wandb_run_per_job_in_one_group(sweep)
     infos = [json.loads((r / "run.json").read_text()) for r in runs]
     assert infos[0]["wandb_id"] != infos[1]["wandb_id"]
     assert infos[0]["wandb_group"] == infos[1]["wandb_group"] is not None
-    assert {r.name.split("-")[-1] for r in runs} == {"lr=0.001", "lr=0.003"}
+    # <sweep folder>-<override_dirname>, e.g. 20261130-101500-debug=tiny,...,optim.lr=0.001,train.max_steps=4
+    assert {o for r in runs for o in r.name.split(",") if o.startswith("optim.lr=")} == {
+        "optim.lr=0.001", "optim.lr=0.003"}
     for r in runs:
         assert list(r.glob("wandb/offline-run-*")) and (r / "checkpoints/step-000004").is_dir()
 

@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.drafter.build import build_drafter
-from dflash.errors import CheckpointError
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.dist import Dist
+from dflash.drafter.build import build_drafter
+from dflash.errors import CheckpointError, ProvenanceError
 from dflash.evaluate import heldout
 from dflash.evaluate.runner import evaluate
 from dflash.evaluate.teacher_forced import summarize, teacher_forced
-from dflash.errors import ProvenanceError
 from dflash.train.loop import train
 from tests.conftest import compose
 from tests.oracle import OracleDrafter
@@ -53,9 +52,8 @@ def fake_wandb(monkeypatch):
 
 def eval_job(tmp, *overrides, target="tiny_qwen3"):
     return compose("evaluate", [
-        f"target={target}", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
-        "eval.max_new_tokens=40", "eval.max_prompts=2", "eval.ddtree_budgets=[2,8]", "train.num_anchors=16",
-        "train.num_workers=0", "train.log_every=1", f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs",
+        "debug=tiny", f"target={target}", "eval.max_new_tokens=40", "eval.ddtree_budgets=[2,8]", "eval.plots=true",
+        f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs",
         *overrides])
 
 

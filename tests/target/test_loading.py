@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from dflash.drafter.build import build_drafter, check_fits
 from dflash.config import DrafterConfig, LayersConfig
+from dflash.drafter.build import build_drafter, check_fits
 from dflash.errors import ConfigError
-from dflash.target.features import target_forward
 from dflash.target import build_target_layer_ids, load_target, resolve_layer_ids
+from dflash.target.features import target_forward
 from dflash.target.identity import kernel_backend
 from tests.conftest import compose
 
@@ -114,8 +114,8 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_part(tmp_path):
     """A Qwen3_5ForConditionalGeneration checkpoint (text + vision, as Qwen publishes them)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from dflash.target.builtin import tiny_qwen3_5_config
     from dflash.config import TargetConfig
+    from dflash.target.builtin import tiny_qwen3_5_config
     from dflash.target.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
@@ -138,8 +138,8 @@ def test_composite_qwen3_5_checkpoint_loads_its_text_part(tmp_path):
 
 def test_builtin_target_under_home_is_built_once(tmp_path, monkeypatch):
     """The preset path starts with ~; it must be expanded before checking whether it exists."""
-    from dflash.target import builtin as builtin_targets
     from dflash.config import TargetConfig
+    from dflash.target import builtin as builtin_targets
     from dflash.target.loading import ensure_built
 
     monkeypatch.setenv("HOME", str(tmp_path))

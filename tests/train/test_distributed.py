@@ -12,9 +12,8 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["target=tiny_qwen3_5", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
-          "eval.max_new_tokens=32", "eval.max_prompts=2", "train.num_anchors=16", "train.log_every=1",
-          "train.num_workers=0", "train.max_steps=6", "train.save_every=100", "noise=gaussian"]
+COMMON = ["debug=tiny", "target=tiny_qwen3_5", "eval.ddtree_budgets=[4,8,16,32]", "eval.plots=true",
+          "train.max_steps=6", "train.save_every=100", "noise=gaussian"]
 
 
 def launch(cwd, procs: int, *overrides):

@@ -7,10 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash.errors import ConfigError, TrainingError
+from dflash.layout import CheckpointLayout, RunLayout
 from dflash.train import loop as training
-from dflash.layout import RunLayout
-from dflash.errors import ConfigError
-from dflash.errors import TrainingError
 from dflash.train.loop import train
 from tests.conftest import compose
 
@@ -22,9 +21,7 @@ def workdir(tmp_path_factory):
 
 def job_for(workdir: Path, name: str, *overrides: str, target="tiny_qwen3_5"):
     return compose("train", [
-        f"target={target}", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
-        "eval.max_new_tokens=32", "eval.max_prompts=3", "eval.ddtree_budgets=[4]", "eval.plots=false",
-        "train.num_anchors=16", "train.log_every=1", "train.num_workers=0", "optim.lr=3e-3",
+        "debug=tiny", f"target={target}", "eval.max_prompts=3", "optim.lr=3e-3",
         f"features.dir={workdir}/cache/{target}/tiny/features", f"run.root={workdir}/runs", f"run.name={name}",
         *overrides])
 
@@ -41,11 +38,15 @@ def test_loss_falls_parameters_change_and_files_are_written(workdir):
                         "optim.schedule=constant", f"features.dir={workdir}/cache4/features"))
     ckpts = RunLayout(run).list_checkpoints()
     assert [s for s, _ in ckpts] == [30, 40]  # keep_last=2
-    for f in ("config.yaml", "run.json", "metrics.jsonl", "train.log"):
-        assert (run / f).exists(), f
+    # the documented run layout, exactly (no wandb/ with logger=none)
+    assert {p.name for p in run.iterdir()} == {"config.yaml", "run.json", "metrics.jsonl", "train.log",
+                                               "checkpoints", "eval"}
+    assert {p.name for p in (run / "checkpoints").iterdir()} == {"step-000030", "step-000040", "best.json"}
     final = ckpts[-1][1]
-    assert {p.name for p in final.iterdir()} >= {"config.json", "model.safetensors", "train_state"}
-    assert (final / "train_state" / "manifest.json").exists()
+    for ckpt in (ckpts[0][1], final):
+        assert {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()} == CheckpointLayout(ckpt).files()
+    assert {p.name for p in (run / "eval").iterdir()} == {"step-000000", "step-000040"}
+    assert {p.name for p in (run / "eval" / "step-000040").iterdir()} == {"summary.json", "blocks.jsonl"}
     rows = [r for r in metrics(run) if "train/loss" in r]
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in rows)
     first, last = sum(r["train/loss"] for r in rows[:5]) / 5, sum(r["train/loss"] for r in rows[-5:]) / 5

@@ -16,18 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.errors import CheckpointError
-from dflash.layout import RunLayout
-from dflash.train import checkpoints as ckpt
 from dflash.drafter.build import load_drafter
-from dflash.errors import ProvenanceError
+from dflash.errors import CheckpointError, ProvenanceError
+from dflash.layout import RunLayout
 from dflash.provenance import GUARDED_FIELDS, check_provenance
+from dflash.train import checkpoints as ckpt
 from dflash.train.loop import train
 from tests.conftest import REPO, compose
 
-FAST = ["target=tiny_qwen3", "drafter=tiny", "data=tiny", "data.completions.max_new_tokens=32", "logger=none",
-        "eval.max_new_tokens=32", "eval.max_prompts=2", "eval.ddtree_budgets=[4]", "eval.plots=false",
-        "train.num_anchors=16", "train.num_workers=0", "train.log_every=1"]
+FAST = ["debug=tiny"]  # conf/debug/tiny.yaml: tiny target and drafter, short completions
 
 
 def job(tmp, *overrides):
@@ -199,7 +196,7 @@ def test_remote_code_is_off_unless_asked_for(monkeypatch):
 def test_wandb_api_key_never_lands_in_the_run_folder(tmp_path):
     secret = "planted-3f9c2a7d41e8b6aa0c5d9e2f7b1a4c8e6d3f0a92"
     env = {**os.environ, "WANDB_API_KEY": secret, "WANDB_MODE": "offline"}
-    overrides = [o for o in FAST if not o.startswith("logger=")] + [
+    overrides = FAST + [
         "logger=wandb_offline", f"features.dir={tmp_path}/cache/features", f"run.root={tmp_path}/runs",
         "run.name=secret", "train.max_steps=2"]
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=tmp_path, env=env,

@@ -1,0 +1,152 @@
+"""What is trained on what: the target, its layers, the drafter's shape, noise and loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from dflash.config.checks import ConfigError, one_of, positive
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target LLM whose hidden states condition the drafter."""
+
+    name: str = MISSING
+    """Preset name; used in run names, cache paths and messages."""
+    path: str = MISSING
+    """Hugging Face model id or local directory of the target."""
+    build: str | None = None
+    """Built-in target recipe (tiny_qwen3, tiny_qwen3_5, toy): built into `path` on first use."""
+    mask_token_id: int = MISSING
+    """Token id fed at every masked block slot (an embedding row of the target)."""
+    num_layers: int | None = None
+    """Expected number of decoder layers; checked against the loaded model when set."""
+    dtype: str = "bfloat16"
+    """Weights and activations dtype of the target: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (this process's accelerator, else CPU), cpu, cuda or cuda:N."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel of the target's full-attention layers (sdpa, eager, flash_attention_2)."""
+    allow_fallback_kernels: bool = False
+    """On CUDA, accept the PyTorch fallback for linear-attention layers instead of fla kernels."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `path` is a hub id."""
+
+    def __post_init__(self) -> None:
+        one_of("target.dtype", self.dtype, {"float32", "bfloat16", "float16"})
+        positive("target.num_layers", self.num_layers)
+        if self.build is not None:
+            one_of("target.build", self.build, {"tiny_qwen3", "tiny_qwen3_5", "toy"})
+        if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
+            raise ConfigError(f"target.device={self.device!r}: use auto, cpu, cuda or cuda:N")
+
+
+@dataclass
+class LayersConfig:
+    """Which target layers feed the drafter's `fc`."""
+
+    ids: list[int] | None = None
+    """Explicit target layer ids; null uses the reference formula with `num` layers."""
+    num: int = 5
+    """How many layers the reference formula picks (between layer 1 and layer T-3)."""
+    allow_last_layer: bool = False
+    """Allow the target's last layer (the one its logits are made from): trains well, serves badly."""
+
+    def __post_init__(self) -> None:
+        positive("layers.num", self.num)
+        if self.ids is not None:
+            if len(self.ids) == 0:
+                raise ConfigError("layers.ids is empty; give at least one layer id or set it to null")
+            if len(set(self.ids)) != len(self.ids):
+                raise ConfigError(f"layers.ids={self.ids} repeats a layer")
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of the DFlash drafter. Width and heads default to the target's."""
+
+    num_layers: int = 5
+    """Number of drafter decoder layers."""
+    block_size: int = 16
+    """Tokens drafted per block (slot 0 is the last committed token)."""
+    layer_types: list[str] | None = None
+    """Per drafter layer: full_attention or sliding_attention; null means all full."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers, in tokens."""
+    num_attention_heads: int | None = None
+    """Query heads; null copies the target's."""
+    num_key_value_heads: int | None = None
+    """Key/value heads; null copies the target's."""
+    head_dim: int | None = None
+    """Per-head width; null copies the target's."""
+    intermediate_size: int | None = None
+    """MLP width; null copies the target's."""
+    init_from: str | None = None
+    """Start from the weights of this drafter directory (z-lab layout) instead of a random init."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ConfigError(f"drafter.block_size={self.block_size}: a block needs at least 2 slots")
+        positive("drafter.num_layers", self.num_layers)
+        for key in ("sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "intermediate_size"):
+            positive(f"drafter.{key}", getattr(self, key))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"drafter.layer_types has {len(self.layer_types)} entries but "
+                    f"drafter.num_layers={self.num_layers}; give one type per layer")
+            for t in self.layer_types:
+                one_of("drafter.layer_types[*]", t, {"full_attention", "sliding_attention"})
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("drafter.layer_types uses sliding_attention but "
+                                  "drafter.sliding_window is null; set the window size")
+
+    def resolved_layer_types(self) -> list[str]:
+        return list(self.layer_types) if self.layer_types else ["full_attention"] * self.num_layers
+
+
+@dataclass
+class NoiseConfig:
+    """Augmentation of the context features fed to the drafter (never of labels)."""
+
+    kind: str = "none"
+    """none, gaussian (std = scale x feature RMS) or uniform (half-width = scale x feature RMS)."""
+    scale: float = 0.0
+    """Noise magnitude relative to the per-token RMS of the features."""
+
+    def __post_init__(self) -> None:
+        one_of("noise.kind", self.kind, {"none", "gaussian", "uniform"})
+        positive("noise.scale", self.scale, allow_zero=True)
+        if self.kind != "none" and self.scale == 0:
+            raise ConfigError(f"noise.kind={self.kind} with noise.scale=0 adds nothing; set a scale")
+
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class LossConfig:
+    """Decay-weighted cross-entropy over block slots."""
+
+    gamma: float | None = None
+    """Decay of slot weights w_k = exp(-(k-1)/gamma); null picks 7/5/4 for block size 16/10/8."""
+    chunk_logits: int = 134217728
+    """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
+    recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
+
+    def __post_init__(self) -> None:
+        positive("loss.gamma", self.gamma)
+        positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
+
+    def gamma_for(self, block_size: int) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        if block_size not in DEFAULT_GAMMA:
+            raise ConfigError(f"loss.gamma has no default for block size {block_size} "
+                              f"(defaults exist for {sorted(DEFAULT_GAMMA)}); set loss.gamma")
+        return DEFAULT_GAMMA[block_size]

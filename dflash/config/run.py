@@ -1,0 +1,181 @@
+"""How a run trains, evaluates, logs and guards provenance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash.config.checks import ConfigError, one_of, positive
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup and a cosine (or constant) schedule."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (torch's default)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: str = "cosine"
+    """cosine or constant (after warmup)."""
+    warmup_ratio: float = 0.04
+    """Fraction of all steps spent warming up linearly from 0."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of `lr` (cosine)."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        positive("optim.lr", self.lr)
+        one_of("optim.schedule", self.schedule, {"cosine", "constant"})
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"optim.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if len(self.betas) != 2:
+            raise ConfigError(f"optim.betas={self.betas} needs two values")
+        positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    mode: str = "offline"
+    """offline (read the feature cache; extracted first if missing) or online (target in-process)."""
+    epochs: int = 6
+    """Passes over the training sequences (anchors are resampled each epoch)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (overrides epochs for the schedule)."""
+    batch_size: int = 1
+    """Sequences per process per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    num_anchors: int = 512
+    """Blocks (anchors) sampled per sequence."""
+    log_every: int = 10
+    """Log train/* metrics every this many steps."""
+    save_every: int = 1000
+    """Write a checkpoint every this many steps (and always at the end)."""
+    keep_last: int = 3
+    """Keep the newest this many step checkpoints (plus `best`)."""
+    resume: str | None = None
+    """latest, best, stepN / stepNk, or a checkpoint path: restore everything and continue."""
+    seed: int = 0
+    """Seed of initialisation, anchor sampling and noise."""
+    mixed_precision: str = "auto"
+    """auto (bf16 on CUDA, none on CPU), no or bf16."""
+    attention: str = "auto"
+    """Packed-block attention: auto (flex on CUDA, sdpa on CPU), flex or sdpa."""
+    compile: bool = False
+    """torch.compile the drafter."""
+    distributed: str = "ddp"
+    """ddp, or fsdp for drafters too large to replicate."""
+    gradient_checkpointing: bool = False
+    """Recompute drafter layer activations in backward to save memory."""
+    num_workers: int = 1
+    """DataLoader worker processes."""
+
+    def __post_init__(self) -> None:
+        one_of("train.mode", self.mode, {"offline", "online"})
+        one_of("train.mixed_precision", self.mixed_precision, {"auto", "no", "bf16"})
+        one_of("train.attention", self.attention, {"auto", "flex", "sdpa"})
+        one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
+        for key in ("epochs", "max_steps", "batch_size", "grad_accum", "num_anchors", "log_every",
+                    "save_every", "keep_last"):
+            positive(f"train.{key}", getattr(self, key))
+        positive("train.num_workers", self.num_workers, allow_zero=True)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation, in-run and from evaluate.py."""
+
+    prompts: str = "builtin:eval_coding"
+    """Held-out prompts (same formats as data.prompts); builtin:eval_coding = the ten shipped coding tasks."""
+    completions_path: str | None = None
+    """Cached held-out completions (JSONL); null = generated greedily by the target, stored next to the features."""
+    features_dir: str | None = None
+    """Feature cache of the held-out set; null = cache/<target>/eval-<prompts>-n<max_new_tokens>/features."""
+    max_new_tokens: int = 256
+    """Length of the greedy held-out completions (and of live decoding)."""
+    mode: str = "teacher_forced"
+    """teacher_forced (features of the greedy completion) or live (real speculative decoding)."""
+    every: int = 0
+    """Evaluate during training every this many steps (0 = only at the end)."""
+    at_start: bool = True
+    """Also evaluate the untrained drafter at step 0: the baseline every run is compared with."""
+    anchor_region: str = "response"
+    """response (anchors in the completion, as in training) or all (every position)."""
+    anchor_stride: int = 1
+    """Use every n-th eligible anchor."""
+    max_blocks: int | None = None
+    """Evaluate at most this many blocks per prompt."""
+    max_prompts: int | None = None
+    """Evaluate at most this many prompts."""
+    ddtree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    """DDTree node budgets N for ddtree@N."""
+    temperature: float = 0.0
+    """Live mode sampling temperature (0 = greedy; >0 verifies by exact match of sampled tokens)."""
+    compare: list[str] = field(default_factory=list)
+    """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
+    plots: bool = True
+    """Write PNG plots next to summary.json."""
+    tie_margin: float | None = None
+    """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
+    is reported as a numerical tie, not a failure; null = 1e-3 for float32 targets, 0.1 otherwise."""
+
+    def __post_init__(self) -> None:
+        one_of("eval.mode", self.mode, {"teacher_forced", "live"})
+        one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
+        for key in ("max_new_tokens", "anchor_stride", "max_blocks", "max_prompts"):
+            positive(f"eval.{key}", getattr(self, key))
+        positive("eval.every", self.every, allow_zero=True)
+        positive("eval.temperature", self.temperature, allow_zero=True)
+        for n in self.ddtree_budgets:
+            positive("eval.ddtree_budgets[*]", n)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking. metrics.jsonl in the run folder is always written."""
+
+    backend: str = "wandb"
+    """wandb or none."""
+    project: str = "dflash"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); null = your default."""
+    mode: str = "offline"
+    """W&B mode: online, offline (sync later with `wandb sync`) or disabled."""
+    group: str | None = None
+    """W&B group; null = the sweep name in multirun, else none."""
+    tags: list[str] = field(default_factory=list)
+    """Extra W&B tags."""
+
+    def __post_init__(self) -> None:
+        one_of("logger.backend", self.backend, {"wandb", "none"})
+        one_of("logger.mode", self.mode, {"online", "offline", "disabled"})
+
+
+@dataclass
+class RunConfig:
+    """Where a run lives: runs/<name>/."""
+
+    root: str = "runs"
+    """Folder holding all run folders."""
+    name: str | None = None
+    """Run folder name; null = <date>-<time>-<target>(-<overrides> in multirun) for training,
+    the most recent run for evaluation."""
+
+
+@dataclass
+class ProvenanceConfig:
+    """How strictly features must match what a checkpoint was trained on."""
+
+    allow_mismatch: list[str] = field(default_factory=list)
+    """Manifest fields allowed to differ (e.g. [kernel_backend]); each use is logged. The fields are
+    listed (and these names checked when the entry points start) in dflash.provenance."""
