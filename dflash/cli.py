@@ -18,10 +18,15 @@ def to_job(cfg: DictConfig):
     a bad value exits with its message."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from omegaconf.errors import MissingMandatoryValue
+
     try:
         job = OmegaConf.to_object(cfg)
     except ConfigError as e:
         fail(e)
+    except MissingMandatoryValue as e:
+        fail(ConfigError(f"{e.full_key} is required and has no value; set it on the command line, e.g. "
+                         f"{e.full_key}={'/path/prompts.jsonl' if e.full_key.endswith('prompts') else '...'}"))
     except Exception as e:  # omegaconf wraps errors raised inside __post_init__
         cause = e.__cause__ or e.__context__
         if isinstance(cause, ConfigError):

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import time
 from dataclasses import asdict
@@ -90,15 +91,16 @@ def sweep_info() -> tuple[str | None, str, list[str]]:
     return None, "", []
 
 
-MAX_RUN_NAME = 120
+MAX_RUN_NAME = 200  # file systems allow 255 bytes
 
 
 def default_run_name(job: JobConfig) -> str:
-    """<date>-<time>-<target>; in a sweep, <sweep>-<override_dirname> (e.g. 20261130-101500-optim.lr=3e-4),
-    shortened with a hash of the whole when longer than MAX_RUN_NAME."""
+    """<date>-<time>-<target>; in a sweep, <sweep>-<override_dirname> (e.g. 20261130-101500-optim.lr:3e-4),
+    with any character but letters, digits and `_.:+-` made `_` (so the name survives list syntax such
+    as runs=[a,b] and the shell), shortened with a hash of the whole when longer than MAX_RUN_NAME."""
     sweep, dirname, _ = sweep_info()
     name = f"{sweep}-{dirname}" if sweep else f"{time.strftime('%Y%m%d-%H%M%S')}-{job.target.name}"
-    name = name.replace("/", "_")
+    name = re.sub(r"[^A-Za-z0-9_.:+-]", "_", name)
     if len(name) > MAX_RUN_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:8]
         name = f"{name[:MAX_RUN_NAME - 9]}-{digest}"
@@ -106,11 +108,39 @@ def default_run_name(job: JobConfig) -> str:
 
 
 def latest_run(root: Path) -> RunLayout:
-    """The most recently created run under `root`."""
+    """The most recently created run under `root` that has a checkpoint (a run that failed before its
+    first checkpoint has nothing to evaluate or resume)."""
     runs = [RunLayout(p) for p in root.iterdir() if RunLayout(p).is_run()] if root.is_dir() else []
     if not runs:
         raise NotFoundError(f"no runs under {root}; train one first, or give run.name / a checkpoint path")
-    return max(runs, key=lambda r: read_json(r.info).get("created", ""))
+    with_checkpoints = [r for r in runs if r.list_checkpoints()]
+    if not with_checkpoints:
+        raise NotFoundError(f"no run under {root} has a checkpoint yet (runs: {', '.join(sorted(r.name for r in runs))})"
+                            f"; train one further, or give run.name / a checkpoint path")
+    return max(with_checkpoints, key=lambda r: read_json(r.info).get("created", ""))
+
+
+class Progress:
+    """A progress bar on a terminal; elsewhere (a job log) a line at most every `every_s` seconds."""
+
+    every_s = 30.0
+
+    def __init__(self, total: int, desc: str, unit: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit=unit, disable=None)
+        self.total, self.desc, self.unit, self.done = total, desc, unit, 0
+        self.start = self.last = time.time()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.bar.disable and (time.time() - self.last >= self.every_s or self.done == self.total):
+            self.last = time.time()
+            log.info("%s: %d/%d %s (%.0f s)", self.desc, self.done, self.total, self.unit, self.last - self.start)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def record_run(run: RunLayout, **fields) -> dict:

@@ -12,12 +12,13 @@ class OracleDrafter(DFlashDraftModel):
     target's head maps it back to that token (checked by `check_head`).
     """
 
-    def __init__(self, target, truth: list[int], block_size=8, wrong=None, layer_ids=(1, 3)):
+    def __init__(self, target, truth: list[int], block_size=8, wrong=None, layer_ids=(1, 3), scale: float = 50.0):
         config = drafter_config(target.config, num_layers=1, block_size=block_size, target_layer_ids=list(layer_ids),
                                 mask_token_id=target.mask_token_id)
         super().__init__(config)
         self.truth, self.wrong = list(truth), wrong or (lambda p, k: False)
         self.head = target.lm_head.weight.detach().float()
+        self.scale = scale  # larger: the drafted distributions are sharper (argmax unchanged)
 
     def check_head(self) -> bool:
         logits = self.head @ self.head.T
@@ -36,4 +37,4 @@ class OracleDrafter(DFlashDraftModel):
                 anchor, k = p - j % self.block_size, j % self.block_size
                 t = self.truth[p] if p < len(self.truth) else 0
                 tokens[b, j] = (t + 1) % self.head.shape[0] if k and self.wrong(anchor, k) else t
-        return self.head[tokens] * 50.0
+        return self.head[tokens] * self.scale

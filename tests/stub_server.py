@@ -10,8 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class StubServer:
-    def __init__(self, fail_first: int = 0, delay_s: float = 0.0, status: int = 500):
+    def __init__(self, fail_first: int = 0, delay_s: float = 0.0, status: int = 500, choice: dict | None = None):
+        """choice: extra fields of every answer's choice (e.g. stop_reason, token_ids, finish_reason)."""
         self.calls = {"models": 0, "completions": 0}
+        self.choice, self.payloads = dict(choice or {}), []
         self.fail_first, self.delay_s, self.status = fail_first, delay_s, status
         self.lock = threading.Lock()
         stub = self
@@ -37,13 +39,14 @@ class StubServer:
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
                     stub.calls["completions"] += 1
+                    stub.payloads.append(payload)
                     n = stub.calls["completions"]
                 if stub.delay_s:
                     time.sleep(stub.delay_s)
                 if n <= stub.fail_first:
                     return self._send(stub.status, {"error": "overloaded"})
                 text = " reply to: " + payload["prompt"][-20:]
-                self._send(200, {"choices": [{"text": text, "finish_reason": "stop"}]})
+                self._send(200, {"choices": [{"text": text, "finish_reason": "stop", **stub.choice}]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]

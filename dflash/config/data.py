@@ -35,6 +35,9 @@ class CompletionsConfig:
     """Attempts per request (with exponential backoff) before failing."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings; the tokenizer's end-of-turn tokens always stop."""
+    token_ids: bool = True
+    """Ask the server for the generated token ids (vLLM's return_token_ids), so nothing is re-tokenized;
+    false for servers that refuse the field (their text is re-tokenized, and the manifest counts it)."""
 
     def __post_init__(self) -> None:
         one_of("data.completions.source", self.source, {"cached", "hf", "server"})

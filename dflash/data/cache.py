@@ -169,15 +169,24 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.index)
 
+    def verify_all(self) -> None:
+        """Check every shard against its checksum now (one read of the cache), so that a corrupt shard
+        stops a run before its data loader starts, in the process that can report it on one line."""
+        for k in range(len(self.manifest["shards"])):
+            self._check(k)
+
+    def _check(self, k: int) -> None:
+        if self.verify and k not in self._verified:
+            path = self.root / self.manifest["shards"][k]["file"]
+            if file_sha256(path) != self.manifest["shards"][k]["sha256"]:
+                raise CacheError(f"shard {path} does not match its checksum (corrupt); delete it and its "
+                                 f"sidecar {path.with_suffix('.json').name}, then re-run extract.py")
+            self._verified.add(k)
+
     def _open(self, k: int):
         if k not in self._handles:
-            entry = self.manifest["shards"][k]
-            path = self.root / entry["file"]
-            if self.verify and k not in self._verified:
-                if file_sha256(path) != entry["sha256"]:
-                    raise CacheError(f"shard {path} does not match its checksum (corrupt); delete it and its "
-                                     f"sidecar {path.with_suffix('.json').name}, then re-run extract.py")
-                self._verified.add(k)
+            path = self.root / self.manifest["shards"][k]["file"]
+            self._check(k)
             try:
                 handle = safe_open(str(path), framework="pt")
                 self.offsets[k] = handle.get_tensor("offsets")

@@ -168,20 +168,45 @@ def wait_for_server(cfg: CompletionsConfig) -> None:
         delay = min(delay * 2, 5.0)
 
 
-def complete_server(cfg: CompletionsConfig, model: str, text: str, pid: str) -> dict:
+def server_record(choice: dict, stop: list[str], eos_id: int | None) -> dict:
+    """A store record from one completions choice. Token ids are taken as the server gives them
+    (vLLM's `token_ids` with return_token_ids); otherwise the text will be re-tokenized, which need
+    not give the ids the target generated, and the record says so. `end_id` is the token that ended
+    generation and belongs to the response: the end-of-turn token when the server stopped on it
+    (vLLM stop_reason null, SGLang matched_stop == its id), another stop token's id, or none for a
+    user stop string (not part of the text) or a length cut."""
+    finish = choice.get("finish_reason") or "length"
+    reason = choice.get("stop_reason", choice.get("matched_stop", "unknown"))
+    end_id = None
+    if finish == "stop":
+        if reason is None or (reason == "unknown" and not stop):
+            end_id = eos_id  # stopped on the end-of-turn token (or: no stop string could have stopped it)
+        elif isinstance(reason, int) and not isinstance(reason, bool):
+            end_id = reason
+    ids = choice.get("token_ids")
+    return {"completion": choice["text"], "finish_reason": finish, "stop_reason": reason, "end_id": end_id,
+            "completion_ids": None if ids is None else [int(t) for t in ids], "eos_id": eos_id,
+            "ids_from": "server" if ids is not None else "retokenized"}
+
+
+def complete_server(cfg: CompletionsConfig, model: str, text: str, pid: str, eos_id: int | None = None) -> dict:
     """One greedy completion from the server, retried with backoff on errors and overload."""
     payload = {"model": model, "prompt": text, "max_tokens": cfg.max_new_tokens, "temperature": 0.0}
     if cfg.stop:
         payload["stop"] = list(cfg.stop)
+    if cfg.token_ids:
+        payload["return_token_ids"] = True  # vLLM: the generated ids, so nothing is re-tokenized
     last = None
     for attempt in range(cfg.retries):
         try:
             choice = _request(f"{cfg.url.rstrip('/')}/completions", payload, cfg.request_timeout_s)["choices"][0]
-            return {"completion": choice["text"], "finish_reason": choice.get("finish_reason") or "length"}
+            return server_record(choice, list(cfg.stop), eos_id)
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")[:300]
             if e.code < 500 and e.code != 429:  # a bad request will not get better by retrying
-                raise CompletionsError(f"server at {cfg.url} refused prompt {pid} (HTTP {e.code}): {body}") from e
+                hint = (" (if it does not take return_token_ids, set data.completions.token_ids=false)"
+                        if cfg.token_ids and "token_ids" in body else "")
+                raise CompletionsError(f"server at {cfg.url} refused prompt {pid} (HTTP {e.code}): {body}{hint}") from e
             last = f"HTTP {e.code}: {body}"
         except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
             last = repr(e)
@@ -246,21 +271,24 @@ def _run_server(cfg, model, items, out: _Appender, eos_id) -> None:
     wait_for_server(cfg)
     bar = tqdm(total=len(items), desc="completions", unit="prompt", disable=None)
     with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-        futures = {pool.submit(complete_server, cfg, model, text, pid): (pid, text) for _, pid, text in items}
+        futures = {pool.submit(complete_server, cfg, model, text, pid, eos_id): (pid, text) for _, pid, text in items}
         for fut in as_completed(futures):
             pid, text = futures[fut]
-            rec = fut.result()
-            out.write([{"id": pid, "prompt_sha": text_sha(text), **rec, "eos_id": eos_id}])
+            out.write([{"id": pid, "prompt_sha": text_sha(text), **fut.result()}])
             bar.update(1)
     bar.close()
 
 
 def completion_ids(record: dict, tokenizer) -> list[int]:
-    """Token ids of a stored completion (re-tokenized text when the source gave only text; the
-    end-of-turn token is appended when generation stopped on it)."""
+    """Token ids of a stored completion: as generated (hf, or a server that returns ids), else the
+    re-tokenized text; the token that ended generation is labelled once, when it belongs to the
+    response (see server_record; older records without `end_id`: the end-of-turn token on "stop")."""
     if record.get("completion_ids") is not None:
-        return list(record["completion_ids"])
-    ids = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
-    if record.get("finish_reason") == "stop" and record.get("eos_id") is not None:
-        ids.append(int(record["eos_id"]))
+        ids = list(record["completion_ids"])
+    else:
+        ids = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
+    end = record["end_id"] if "end_id" in record else (
+        record.get("eos_id") if record.get("finish_reason") == "stop" and "completion_ids" not in record else None)
+    if end is not None and (not ids or ids[-1] != int(end)):
+        ids.append(int(end))
     return ids

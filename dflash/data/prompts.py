@@ -131,8 +131,13 @@ def normalize(records: list[dict], prompt_key: str = "auto", source: str = "") -
 
 def load_prompts(spec: str, fmt: str = "auto", split: str = "train", prompt_key: str = "auto",
                  offset: int = 0, limit: int | None = None) -> list[Prompt]:
-    prompts = normalize(read_records(spec, fmt, split), prompt_key, spec)[offset:]
-    return prompts[:limit] if limit is not None else prompts
+    prompts = normalize(read_records(spec, fmt, split), prompt_key, spec)
+    picked = prompts[offset:][:limit] if limit is not None else prompts[offset:]
+    if not picked:
+        where = f" after skipping {offset} (data.offset)" if prompts else ""
+        raise DataError(f"{spec} holds no prompts{where}; give a file with one prompt per record "
+                        f"(a `prompt` string or chat `messages`)")
+    return picked
 
 
 def prompts_hash(prompts: list[Prompt]) -> str:

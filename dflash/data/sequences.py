@@ -89,7 +89,12 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                         f"data.max_length and the completions in {store}")
     comp_hash = hashlib.sha256(
         "".join(f"{s.id}:{s.input_ids.tolist()}" for s in sequences).encode()).hexdigest()[:16]
+    retokenized = sum(1 for i in fits if prompts[i].id in records
+                      and records[prompts[i].id].get("completion_ids") is None)
+    if retokenized:
+        log.warning("%d completions came as text only and were re-tokenized (the ids may differ from what the target "
+                    "generated); recorded in the manifest as completions_retokenized", retokenized)
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
-            "skipped": skipped}
+            "skipped": skipped, "completions_retokenized": retokenized}
     return Prepared(sequences, info)

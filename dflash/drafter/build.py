@@ -6,7 +6,7 @@ import logging
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.model import DFlashDraftModel, drafter_config
-from dflash.errors import ConfigError, NotFoundError
+from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target
 
@@ -44,7 +44,14 @@ def load_drafter(path: str) -> DFlashDraftModel:
     if missing:
         raise NotFoundError(f"drafter directory {path} is missing {', '.join(missing)}; it is not a "
                                 f"complete drafter in z-lab layout (config.json + model.safetensors)")
-    return DFlashDraftModel.from_pretrained(str(root))
+    try:
+        return DFlashDraftModel.from_pretrained(str(root))
+    except ValueError as e:  # the strict load: it names the weights that do not match config.json
+        raise CheckpointError(str(e)) from e
+    except Exception as e:  # safetensors and json errors name neither the file nor the drafter
+        raise CheckpointError(f"cannot load the drafter in {root} ({type(e).__name__}: {str(e)[:200]}); a file there "
+                              f"is truncated or corrupt. Use another checkpoint (e.g. checkpoint=step<N>) or "
+                              f"re-export this one") from e
 
 
 def check_fits(drafter: DFlashDraftModel, target: Target, source: str = "the drafter") -> None:

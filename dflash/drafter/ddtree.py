@@ -1,14 +1,16 @@
 """DDTree (arXiv 2604.12989): a draft tree built from a block drafter's per-slot distributions.
 
 Nodes are token prefixes; a prefix's score is the product of the drafter's per-slot
-probabilities of its tokens (slots are drafted in parallel, so the score factorises). Our
-`ddtree@N` tree is the drafted block itself (the greedy path single-path DFlash verifies)
-plus the N most probable further prefixes, found best-first with a heap whose entries are
-(score, ranks): popping a prefix pushes its first child and its next sibling. Keeping the
-greedy path means ddtree@N never accepts less than the single path, and the best-first sets
-are nested, so acceptance never falls as N grows. Only the top-N tokens of a slot can enter a
-tree of N extra nodes (a token of rank r has r better siblings that are popped first), so one
-top-K per slot (K = the largest budget) serves every budget.
+probabilities of its tokens (slots are drafted in parallel, so the score factorises). The tree
+of budget N holds the N most probable prefixes, found best-first with a heap whose entries are
+(score, ranks): popping a prefix adds it to the tree and pushes its first child and its next
+sibling. Nothing is forced in: no greedy chain, so for small N a wide, shallow tree can accept
+less than the single drafted path; the best-first sets are nested, so acceptance never falls as N
+grows. This is `ddtree@N` as the DDTree paper and its public code report it (DESIGN §5).
+
+A token of rank r in its slot has r better siblings that are popped first, so only the top-N
+tokens of a slot can enter a tree of N nodes: one top-K per slot (K = the largest budget)
+serves every budget.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 @dataclass
 class Tree:
     tokens: list[int]
-    """Token of each node (node 0 is the first drafted slot's greedy token, ...)."""
+    """Token of each node, in the order the nodes were taken (best first)."""
     parents: list[int]
     """Parent node index, -1 for children of the root (the last committed token)."""
     depths: list[int]
@@ -29,35 +31,24 @@ class Tree:
 
 def build_tree(topk_ids: list[list[int]], topk_logprobs: list[list[float]], budget: int,
                max_depth: int | None = None) -> Tree:
-    """Greedy path over `max_depth` slots + `budget` best-first extra nodes.
+    """The `budget` most probable prefixes of at most `max_depth` slots, as a tree.
 
     topk_ids/topk_logprobs: per slot (1..B-1), tokens sorted by descending probability.
     """
     depth_limit = len(topk_ids) if max_depth is None else min(max_depth, len(topk_ids))
-    index: dict[tuple[int, ...], int] = {}
+    width = min(len(topk_ids[0]), budget) if topk_ids else 0
     tree = Tree([], [], [])
-
-    def add(ranks: tuple[int, ...]) -> None:
-        prefix = tuple(topk_ids[d][r] for d, r in enumerate(ranks))
-        if prefix in index:
-            return
-        index[prefix] = len(tree.tokens)
-        tree.tokens.append(prefix[-1])
-        tree.parents.append(index[prefix[:-1]] if len(prefix) > 1 else -1)
-        tree.depths.append(len(prefix))
-
-    for d in range(depth_limit):
-        add((0,) * (d + 1))
-    greedy = len(tree.tokens)
-    width = len(topk_ids[0]) if topk_ids else 0
-    heap = [(-topk_logprobs[0][0], (0,))] if depth_limit and width else []
-    while heap and len(tree.tokens) < greedy + budget:
+    node_of: dict[tuple[int, ...], int] = {}
+    heap = [(-topk_logprobs[0][0], (0,))] if depth_limit > 0 and width > 0 else []
+    while heap and len(tree.tokens) < budget:
         neg, ranks = heapq.heappop(heap)
-        add(ranks)
-        d = len(ranks)
+        d, r = len(ranks), ranks[-1]
+        node_of[ranks] = len(tree.tokens)
+        tree.tokens.append(topk_ids[d - 1][r])
+        tree.parents.append(node_of[ranks[:-1]] if d > 1 else -1)
+        tree.depths.append(d)
         if d < depth_limit:
             heapq.heappush(heap, (neg - topk_logprobs[d][0], ranks + (0,)))
-        r = ranks[-1]
         if r + 1 < width:
             heapq.heappush(heap, (neg + topk_logprobs[d - 1][r] - topk_logprobs[d - 1][r + 1],
                                   ranks[:-1] + (r + 1,)))

@@ -32,8 +32,9 @@ class SpecResult:
     """[1, prompt + generated]."""
     acceptance_lengths: list[int]
     """Tokens committed per verification step (accepted drafts + 1 bonus), in [1, B]."""
-    target_forwards: int = 0
-    """Target forwards after the prefill: verifications plus replays (hybrid targets)."""
+    target_forwards: int = 1
+    """Target forwards, the prompt's (prefill) included: 1 + verifications + replays (hybrid targets),
+    so generated tokens / target_forwards is 1.0 for plain decoding and for drafts never accepted."""
     replays: int = 0
     draft_tokens: list[list[int]] = field(default_factory=list)
 
@@ -55,9 +56,16 @@ def choose(logits: torch.Tensor, temperature: float, seed: int, first_position: 
 
 
 def _new_cache(target: Target):
+    """A cache that can be rolled back exactly: attention layers keep every position, sliding-window
+    ones included (a sliding layer's own cache drops what falls out of the window, so a rejected
+    draft could not be undone; the window itself is applied by the model's mask, not the cache)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    return DynamicCache(config=target.config)
+    cache = DynamicCache(config=target.config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    return cache
 
 
 def _linear_layers(cache) -> list:
@@ -79,21 +87,41 @@ def _restore(cache, snap: list[dict]) -> None:
             setattr(layer, attr, dict(values))
 
 
+def _attention_layers(cache) -> list:
+    return [layer for layer in cache.layers if not hasattr(layer, "recurrent_states")]
+
+
 def _crop_attention(cache, length: int) -> None:
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if torch.is_tensor(keys) and keys.dim() == 4 and keys.shape[-2] > length:
-            layer.keys = keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+    """Drop the attention KV of positions >= length, through the cache layers' own crop."""
+    for layer in _attention_layers(cache):
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
 
 
 def _keep_attention(cache, keep: torch.Tensor) -> None:
-    """Keep only the KV entries at indices `keep` (the accepted path of a verified tree)."""
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if torch.is_tensor(keys) and keys.dim() == 4:
-            layer.keys = keys.index_select(-2, keep)
+    """Keep only the KV entries at indices `keep` (the accepted path of a verified tree). Attention
+    layers are full DynamicLayers here (see _new_cache): keys and values are all they hold."""
+    for layer in _attention_layers(cache):
+        if layer.get_seq_length():
+            layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
+
+
+def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n+1, past+n+1] additive mask for verifying a tree rooted at position `past`: every
+    query sees the `past` cached positions, the root and its own ancestors, nothing else. Additive
+    (0 / dtype min), so eager attention masks it too (a boolean mask is added to its scores as 0/1)."""
+    n = len(parents)
+    seen = torch.zeros(n + 1, past + n + 1, dtype=torch.bool, device=device)
+    seen[:, : past + 1] = True  # the cache and the root x_p
+    for i in range(n):
+        j = i
+        while j != -1:
+            seen[i + 1, past + 1 + j] = True
+            j = parents[j]
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 @torch.no_grad()
@@ -122,13 +150,14 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
-    Target or any loaded HF causal LM. tree_budget: verify a DDTree of the drafted block plus
-    that many extra nodes (attention-only targets) instead of the single drafted path.
+    Target or any loaded HF causal LM. tree_budget: verify the DDTree of that many nodes
+    (attention-only targets; dflash.drafter.ddtree) instead of the single drafted path.
     """
     target = as_target(target)
-    if tree_budget is not None and target.is_hybrid:
-        raise ValueError("DDTree verification needs a target whose layers are all attention: linear-attention "
-                         "states cannot follow several branches in one forward. Use tree_budget=None")
+    refusal = target.tree_verification_refusal() if tree_budget is not None else None
+    if refusal:
+        raise ValueError(f"DDTree verification needs a target whose layers are all full attention: {refusal}. "
+                         f"Use tree_budget=None")
     drafter.eval()
     stops = set(stop_token_ids or [])
     layer_ids = drafter.target_layer_ids
@@ -191,21 +220,14 @@ def _verify_path(target, layer_ids, cache, anchor_token, drafts, p, temperature,
 
 
 def _verify_tree(target, layer_ids, cache, anchor_token, logits, p, budget, room, temperature, seed):
-    """Verify a DDTree rooted at x_p in one forward with an ancestor-only mask (attention-only targets)."""
+    """Verify the DDTree of `budget` nodes (dflash.drafter.ddtree), rooted at x_p, in one forward with an
+    ancestor-only mask (attention-only targets). Returns the drafted path (argmax per slot) as drafts."""
     depth = max(0, min(logits.shape[0], room - 1))
     logp = torch.log_softmax(logits[:depth], -1)
     top = logp.topk(min(max(budget, 1), logp.shape[-1]), dim=-1)
     tree = build_tree(top.indices.tolist(), top.values.tolist(), budget, max_depth=depth)
-    n = len(tree.tokens)
     past = p  # cache holds positions < p
-    mask = torch.zeros(1, 1, n + 1, past + n + 1, dtype=torch.bool, device=target.device)
-    mask[..., :past] = True
-    mask[0, 0, :, past] = True  # everyone sees the root x_p
-    for i in range(n):
-        j = i
-        while j != -1:
-            mask[0, 0, i + 1, past + 1 + j] = True
-            j = tree.parents[j]
+    mask = tree_attention_mask(tree.parents, past, target.dtype, target.device)
     tokens = torch.tensor([[anchor_token] + tree.tokens], device=target.device)
     positions = torch.tensor([[p] + [p + d for d in tree.depths]], device=target.device)
     out = target_forward(target, tokens, layer_ids, attention_mask=mask, position_ids=positions, cache=cache,
@@ -223,4 +245,4 @@ def _verify_tree(target, layer_ids, cache, anchor_token, logits, p, budget, room
         node = nxt
     keep = torch.cat([torch.arange(past, device=target.device), past + torch.tensor(path, device=target.device)])
     _keep_attention(cache, keep)
-    return accepted, bonus, out.features[:, path], tree.tokens[:depth]  # the chain comes first in the tree
+    return accepted, bonus, out.features[:, path], logits[:depth].argmax(-1).tolist()  # the drafted path

@@ -1,9 +1,11 @@
 """The held-out set: greedy target completions of eval.prompts and their features, in a cache of
 their own, made by the same extraction API as the training data.
 
-Its folder is keyed by a hash of the target's weights, tokenizer and dtype (so another checkpoint
-or dtype under the same preset name gets its own set), the prompt set and the completion length;
-the features folder is per layer set (drafters compared side by side may read different layers).
+Its folder is keyed by a hash of everything that changes the held-out sequences: the target's
+weights, tokenizer and dtype, the prompts (their content, not only the file name), eval.max_prompts,
+eval.max_new_tokens, data.chat_template and data.enable_thinking. The held-out completions are never
+truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
+side by side may read different layers).
 """
 
 from __future__ import annotations
@@ -20,19 +22,28 @@ import torch
 from dflash.config import JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_features
-from dflash.data.prompts import load_prompts
+from dflash.data.prompts import load_prompts, prompts_hash
 from dflash.data.sequences import prepare_sequences
 from dflash.dist import Dist
+from dflash.errors import CacheError
 from dflash.layout import CacheLayout
 from dflash.provenance import check_kernels, target_signature
 
 log = logging.getLogger(__name__)
 
 
+def heldout_key(job: JobConfig, target) -> dict:
+    """Everything the held-out sequences depend on (what keys its folder)."""
+    prompts = load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
+    return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
+            "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
+            "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking}
+
+
 def heldout_paths(job: JobConfig, target, layer_ids: list[int]) -> tuple[Path, Path]:
     """(features folder, completions file) of the held-out set; by default under cache/<target>/."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(job.eval.prompts.removeprefix("builtin:")).stem)
-    sig = hashlib.sha256(json.dumps(target_signature(target), sort_keys=True).encode()).hexdigest()[:8]
+    sig = hashlib.sha256(json.dumps(heldout_key(job, target), sort_keys=True).encode()).hexdigest()[:8]
     base = CacheLayout(Path(job.features.dir)).target_root / f"eval-{name}-n{job.eval.max_new_tokens}-{sig}"
     layers = "L" + "-".join(map(str, layer_ids))
     features = Path(job.eval.features_dir) / layers if job.eval.features_dir else base / f"features-{layers}"
@@ -60,13 +71,20 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
                                  max_length=None)
+    prepared.info["heldout_key"] = heldout_key(job, target)  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
                      max_length=None)
 
 
 def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
-    """The held-out features; refused if the target now runs other kernels than made them."""
+    """The held-out features; refused if they were made for other settings (an explicit
+    eval.features_dir is not keyed by them) or the target now runs other kernels than made them."""
     cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids)[0], dtype=torch.float32)
+    made_for, now = cache.manifest.get("data", {}).get("heldout_key"), heldout_key(job, target)
+    if made_for is not None and made_for != now:
+        diff = ", ".join(f"{k}: {made_for.get(k)!r} there, {now.get(k)!r} now" for k in now if made_for.get(k) != now[k])
+        raise CacheError(f"the held-out set in {cache.root} was made for other settings ({diff[:600]}); delete it "
+                         f"or point eval.features_dir elsewhere to make it anew")
     check_kernels(cache.manifest, target, cache.root)
     return cache

@@ -15,6 +15,7 @@ from dflash.errors import LosslessError
 from dflash.evaluate.decode import greedy_generate, speculative_generate
 from dflash.target.features import target_forward
 from dflash.target.loading import Target
+from dflash.tracking import Progress
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
     stops = target.stop_token_ids()
-    budgets = [None] + ([n for n in cfg.ddtree_budgets] if not target.is_hybrid else [])
-    if target.is_hybrid and cfg.ddtree_budgets:
-        log.info("DDTree live verification is skipped: %s has linear-attention layers", target.path)
+    refusal = target.tree_verification_refusal()
+    budgets = [None] + ([n for n in cfg.ddtree_budgets] if refusal is None else [])
+    if refusal and cfg.ddtree_budgets:
+        log.info("DDTree live verification is skipped for %s: %s", target.path, refusal)
     records, totals = [], {b: {"tokens": 0, "forwards": 0, "verifies": 0, "time": 0.0, "taus": []} for b in budgets}
     plain_time, ties = 0.0, 0
+    progress = Progress(len(prompts), "live eval", "prompts")
     for n, prompt in enumerate(prompts):
         text = prompt_text(target.tokenizer, prompt, data.chat_template, data.enable_thinking)
         ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
@@ -75,6 +78,8 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
                 records.append({"prompt_id": prompt.id, "tree_budget": budget, "step": step, "tau": tau,
                                 "draft_tokens": drafts})
+        progress.update()
+    progress.close()
     base = totals[None]
     metrics = {
         "eval/live_tau": sum(base["taus"]) / max(1, len(base["taus"])),

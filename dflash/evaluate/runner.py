@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
-from dflash.errors import NotFoundError
+from dflash.errors import CheckpointError, NotFoundError
 from dflash.evaluate import heldout
 from dflash.evaluate.plots import save_plots
 from dflash.evaluate.summary import log_eval, print_summary
@@ -54,23 +54,40 @@ def find_run(job: JobConfig, checkpoint: str) -> RunLayout | None:
     if path.is_dir():
         owner = RunLayout.of_checkpoint(path)
         return owner if owner.is_run() else None
+    if "/" in checkpoint or checkpoint.startswith((".", "~")):
+        raise CheckpointError(f"checkpoint={checkpoint}: the path {path} does not exist; give a drafter folder, "
+                              f"or latest, best, step<N> of a run (run.name=...)")
     return latest_run(root)
+
+
+def evaluation_target(job: JobConfig, layer_sets: list[list[int]]):
+    """The target as evaluation needs it. Teacher-forced evaluation from a complete held-out set uses
+    only embed_tokens and lm_head: the decoder layers (54 GB for a 27B target) are never loaded, so a
+    drafter is evaluated on a CPU box from features extracted on the GPU machine. Anything still to
+    extract, and live decoding, needs the whole model."""
+    from dflash.target.loading import load_target
+
+    if job.eval.mode == "teacher_forced":
+        target = load_target(job.target, heads_only=True)
+        if target.model is None and all(heldout.is_ready(job, target, ids) for ids in layer_sets):
+            log.info("held-out features are complete: the target's heads are all that is loaded")
+            return target
+    return load_target(job.target)
 
 
 def evaluate(job: JobConfig) -> dict:
     """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set."""
     from dflash.dist import current
-    from dflash.target.loading import load_target
 
     setup_logging()
     run = find_run(job, job.checkpoint)
     path = ckpt.resolve_checkpoint(run, job.checkpoint)
     ckpt.check_complete(path)
     step = ckpt.checkpoint_step(path)
-    target = load_target(job.target)
     drafters = {f"step{step}" if step is not None else path.name: (path, load_drafter(str(path)).float())}
     for ref in job.eval.compare:
         drafters[Path(ref).name] = (Path(ref), load_drafter(ref).float())
+    target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()])
     for label, (p, d) in drafters.items():
         check_fits(d, target, source=f"drafter {p}")
         d.to(target.device)

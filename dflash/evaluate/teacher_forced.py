@@ -17,6 +17,7 @@ from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import ddtree_tau
 from dflash.io import write_json, write_jsonl
+from dflash.tracking import Progress
 
 ANCHORS_PER_FORWARD = 256
 
@@ -31,6 +32,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     device, dtype = embed.weight.device, next(drafter.parameters()).dtype
     records = []
     n_prompts = len(eval_set) if cfg.max_prompts is None else min(cfg.max_prompts, len(eval_set))
+    progress = Progress(n_prompts, "teacher-forced eval", "prompts")
     for i in range(n_prompts):
         ids, mask, feats = eval_set[i]
         anchors = eligible_anchors(mask, cfg.anchor_region)
@@ -53,6 +55,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                     "draft_tokens": top.indices[j, :, 0].tolist(), "topk_ids": top.indices[j].tolist(),
                     "topk_logprobs": top.values[j].tolist(), "streak": int(streak[j]),
                 })
+        progress.update()
+    progress.close()
     drafter.train(was_training)
     return records
 

@@ -77,6 +77,10 @@ def train(job: JobConfig) -> Path:
     source, manifest = training_source(job, target, layer_ids, dist)
     heldout.prepare(job, target, layer_ids, dist)
     heldout_set = heldout.load(job, target, layer_ids) if acc.is_main_process else None
+    if heldout_set is not None:  # heads-only training cannot see the kernels: compare what made the two sets
+        check_provenance(manifest, heldout_set.manifest, job.provenance.allow_mismatch,
+                         expected_name="the training features", actual_name=f"the held-out features in "
+                         f"{heldout_set.root}", fields=("kernel_backend",))
     if job.train.mode == "offline":
         keep_heads_only(target)
 

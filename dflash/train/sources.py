@@ -49,6 +49,7 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
     cache = fcache.FeatureCache(job.features.dir, dtype=torch.float32)
+    cache.verify_all()  # here, not in a DataLoader worker (which would wrap the message in its traceback)
     if cache.manifest["layer_ids"] != layer_ids:
         raise ConfigError(f"features.dir={job.features.dir} holds layers {cache.manifest['layer_ids']} but the "
                           f"drafter reads {layer_ids}; set features.dir to a new directory or change layers")

@@ -124,3 +124,50 @@ def test_hf_source_stops_on_end_of_turn(tmp_path, tiny_targets):
         ids = completion_ids(rec, target.tokenizer)
         assert 1 <= len(ids) <= 12
         assert rec["finish_reason"] == ("stop" if ids[-1] in target.stop_token_ids() else "length")
+
+
+class Tok:
+    """A stand-in tokenizer: one id per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.mark.parametrize("choice,stop,labelled_end", [
+    ({"stop_reason": None}, [], 99),                    # vLLM: stopped on the end-of-turn token
+    ({"matched_stop": 99}, [], 99),                      # SGLang: the same
+    ({"stop_reason": "###"}, ["###"], None),             # a user stop string: not part of the response
+    ({"stop_reason": 42}, [], 42),                       # another stop token: that one is the label
+    ({}, ["###"], None),                                 # the server does not say, and a stop string could have
+    ({}, [], 99),                                        # the server does not say, and only end tokens stop it
+    ({"finish_reason": "length", "stop_reason": None}, [], None),
+])
+def test_the_token_that_ended_generation_is_labelled_only_when_it_belongs_to_the_response(
+        tmp_path, choice, stop, labelled_end):
+    stub = StubServer(choice=choice).start()
+    try:
+        records = obtain(server_cfg(stub.url, stop=stop), tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist(),
+                         model="m", eos_id=99)
+    finally:
+        stub.stop()
+    rec = records["p0"]
+    ids = completion_ids(rec, Tok())
+    text = [ord(c) for c in rec["completion"]]
+    assert ids == text + ([labelled_end] if labelled_end is not None else [])
+    assert rec["ids_from"] == "retokenized" and stub.payloads[0]["return_token_ids"] is True
+
+
+def test_token_ids_from_the_server_are_used_as_generated(tmp_path):
+    stub = StubServer(choice={"token_ids": [7, 8, 99], "stop_reason": None}).start()
+    try:
+        records = obtain(server_cfg(stub.url), tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist(), model="m",
+                         eos_id=99)
+    finally:
+        stub.stop()
+    assert completion_ids(records["p0"], Tok()) == [7, 8, 99]  # not re-tokenized, the end token once
+    assert records["p0"]["ids_from"] == "server"
+
+
+def test_servers_that_refuse_token_ids_can_be_told_not_to_ask(tmp_path, server):
+    obtain(server_cfg(server.url, token_ids=False), tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist(), model="m")
+    assert "return_token_ids" not in server.payloads[0]

@@ -10,6 +10,7 @@ from transformers import Qwen3Config
 
 from dflash.drafter.build import load_drafter
 from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.errors import CheckpointError
 
 TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=12,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -149,7 +150,7 @@ def test_missing_weight_is_an_error_not_a_fresh_init(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     del weights["layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="layers.1.mlp.up_proj.weight"):
+    with pytest.raises(CheckpointError, match="layers.1.mlp.up_proj.weight"):
         load_drafter(str(tmp_path))
 
 

@@ -19,7 +19,8 @@ def test_lossless_with_partial_acceptance(tiny_target, tree_budget):
         pytest.skip("tree verification needs an attention-only target (tested below)")
     ids = prompt()
     plain = greedy_generate(tiny_target, ids, 60)
-    oracle = OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0)
+    # sharp: a DDTree of 6 nodes then holds the drafted path (a flat one would be wide and shallow)
+    oracle = OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, scale=5000.0)
     assert oracle.check_head()
     res = speculative_generate(oracle, tiny_target, ids, 60, tree_budget=tree_budget)
     assert torch.equal(res.output_ids, plain)
@@ -27,7 +28,19 @@ def test_lossless_with_partial_acceptance(tiny_target, tree_budget):
     assert 1 + sum(taus) == 60  # the prefill makes the first token
     assert max(taus) > 2 and min(taus) < 8 and all(1 <= t <= 8 for t in taus)
     if tiny_target.is_hybrid:
-        assert res.replays > 0 and res.target_forwards == len(taus) + res.replays
+        assert res.replays > 0 and res.target_forwards == 1 + len(taus) + res.replays
+
+
+def test_drafts_never_accepted_give_one_token_per_target_forward(tiny_target):
+    """The prompt's forward counts: a drafter that is always wrong is plain decoding, 1.0 tokens per forward."""
+    ids = prompt(4)
+    plain = greedy_generate(tiny_target, ids, 20)
+    res = speculative_generate(OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: True), tiny_target,
+                               ids, 20)
+    assert torch.equal(res.output_ids, plain) and set(res.acceptance_lengths) == {1}
+    assert res.target_forwards == 1 + len(res.acceptance_lengths) + res.replays
+    if not tiny_target.is_hybrid:  # (a hybrid target also replays the kept token after each rejection)
+        assert (res.output_ids.shape[1] - ids.shape[1]) / res.target_forwards == 1.0
 
 
 def test_perfect_drafts_commit_whole_blocks(tiny_target):
@@ -42,7 +55,7 @@ def test_tree_recovers_drafts_the_single_path_misses(tiny_targets):
     target = tiny_targets["tiny_qwen3"]
     ids = prompt(2)
     plain = greedy_generate(target, ids, 48)
-    oracle = OracleDrafter(target, plain[0].tolist(), wrong=lambda p, k: k == 3)
+    oracle = OracleDrafter(target, plain[0].tolist(), wrong=lambda p, k: k == 3, scale=5000.0)
     single = speculative_generate(oracle, target, ids, 48)
     tree = speculative_generate(oracle, target, ids, 48, tree_budget=16)
     assert torch.equal(single.output_ids, plain) and torch.equal(tree.output_ids, plain)
@@ -76,3 +89,65 @@ def test_plain_hf_model_is_accepted_as_target(tiny_targets):
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(num=2), target)
     res = speculative_generate(drafter, target.model, prompt(5), 12)
     assert res.output_ids.shape[1] == 22 and all(1 <= t <= 4 for t in res.acceptance_lengths)
+
+
+def _tiny_qwen3(**overrides):
+    """A random-weight Qwen3 built in-process (attention implementation and layer types as given)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.target.builtin import tiny_qwen3_config
+    from dflash.target.loading import as_target
+
+    config = tiny_qwen3_config(300)
+    attn = overrides.pop("attn_implementation", "sdpa")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    return as_target(model, mask_token_id=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_hides_siblings_under_every_attention_implementation(attn):
+    """Each tree node's logits equal those of its own path verified alone (eager adds a boolean mask
+    to its scores as 0/1, so the tree mask must be additive)."""
+    from dflash.evaluate.decode import _new_cache, tree_attention_mask
+    from dflash.target.features import target_forward
+
+    target = _tiny_qwen3(attn_implementation=attn)
+    ids = prompt(5, 9)
+    p = 8
+    cache = _new_cache(target)
+    target_forward(target, ids[:, :p], [], cache=cache)
+    tokens, parents, depths = [5, 6, 7, 8, 9], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3]
+    out = target_forward(target, torch.tensor([[int(ids[0, p])] + tokens]), [],
+                         attention_mask=tree_attention_mask(parents, p, target.dtype, ids.device),
+                         position_ids=torch.tensor([[p] + [p + d for d in depths]]), cache=cache, logits_to_keep=0)
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j != -1:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        alone = target_forward(target, torch.cat([ids[:, : p + 1], torch.tensor([path])], 1), [], logits_to_keep=1)
+        assert torch.allclose(out.logits[0, i + 1], alone.logits[0, -1], atol=1e-4), (attn, i)
+
+
+def test_sliding_window_target_decodes_losslessly():
+    """Verification runs past the window and rejected drafts are cropped again: the cache must give
+    back exactly what plain decoding (and a cache-free forward) sees."""
+    from dflash.target.features import target_forward
+
+    target = _tiny_qwen3(layer_types=["sliding_attention"] * 8, sliding_window=6, use_sliding_window=True)
+    assert target.tree_verification_refusal() is not None
+    ids = prompt(6, 10)
+    plain = greedy_generate(target, ids, 40)
+    seq = ids
+    for _ in range(40):  # no cache at all: the window is the model's mask alone
+        nxt = target_forward(target, seq, [], logits_to_keep=1).logits[0, -1].argmax()
+        seq = torch.cat([seq, nxt.view(1, 1)], 1)
+    assert torch.equal(plain, seq)
+    oracle = OracleDrafter(target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0)
+    res = speculative_generate(oracle, target, ids, 40)
+    assert torch.equal(res.output_ids, plain) and max(res.acceptance_lengths) > 2
+    with pytest.raises(ValueError, match="sliding windows"):
+        speculative_generate(oracle, target, ids, 8, tree_budget=4)
