@@ -101,7 +101,8 @@ def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: 
 
     Query q_idx belongs to block q_idx // B (anchor a, position a + q_idx % B). Key kv_idx < ctx_len
     is context position kv_idx, visible when kv_idx < a; other keys are block tokens, visible only
-    within the query's own block. Sliding layers also drop keys `window` or more positions away.
+    within the query's own block. Sliding layers see only keys at positions q-(window-1) .. q (causal
+    inside the block, DESIGN §2).
     The dense SDPA mask is this same function evaluated on a broadcast grid.
     """
 
@@ -110,9 +111,10 @@ def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: 
         anchor = anchors[b, blk]
         is_ctx = kv_idx < ctx_len
         visible = (is_ctx & (kv_idx < anchor)) | (~is_ctx & ((kv_idx - ctx_len) // block_size == blk))
-        if window is not None:  # by position, on both sides, as in one-block inference
+        if window is not None:  # by position: causal, the `window` keys ending at the query (DESIGN §2)
             k_pos = torch.where(is_ctx, kv_idx, anchor + (kv_idx - ctx_len) % block_size)
-            visible = visible & ((anchor + q_idx % block_size - k_pos).abs() < window)
+            dist = anchor + q_idx % block_size - k_pos
+            visible = visible & (dist >= 0) & (dist < window)
         return visible
 
     return mask_mod

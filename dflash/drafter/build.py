@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 
 from dflash.config import DrafterConfig, LayersConfig
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.model import SLIDING_RULE, DFlashDraftModel, drafter_config
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
+from dflash.layout import CheckpointLayout
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target
 
@@ -45,13 +46,19 @@ def load_drafter(path: str) -> DFlashDraftModel:
         raise NotFoundError(f"drafter directory {path} is missing {', '.join(missing)}; it is not a "
                                 f"complete drafter in z-lab layout (config.json + model.safetensors)")
     try:
-        return DFlashDraftModel.from_pretrained(str(root))
+        drafter = DFlashDraftModel.from_pretrained(str(root))
     except ValueError as e:  # the strict load: it names the weights that do not match config.json
         raise CheckpointError(str(e)) from e
     except Exception as e:  # safetensors and json errors name neither the file nor the drafter
         raise CheckpointError(f"cannot load the drafter in {root} ({type(e).__name__}: {str(e)[:200]}); a file there "
                               f"is truncated or corrupt. Use another checkpoint (e.g. checkpoint=step<N>) or "
                               f"re-export this one") from e
+    if ("sliding_attention" in drafter.layer_types and getattr(drafter.config, "dflash_sliding_attention", None)
+            != SLIDING_RULE and CheckpointLayout(root).manifest.exists()):
+        log.warning("drafter %s was trained by dflash before its sliding-attention layers followed the served rule "
+                    "(causal inside the block, DESIGN §2): it attended both ways inside the block, so SGLang/vLLM "
+                    "serve it differently from how it was trained. Retrain it, or evaluate it knowing that", root)
+    return drafter
 
 
 def check_fits(drafter: DFlashDraftModel, target: Target, source: str = "the drafter") -> None:

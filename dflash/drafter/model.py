@@ -61,10 +61,17 @@ class ContextCache:
         return 0 if self.positions is None else self.positions.shape[1]
 
 
+SLIDING_RULE = "causal_window"
+"""How sliding_attention layers attend, recorded in config.json as `dflash_sliding_attention` (a key
+serving frameworks ignore): causal inside the block, a window of W keys ending at the query, over
+context and block positions together (flash attention causal=True, window=(W-1, 0)), as SGLang and
+vLLM serve DFlash drafters (DESIGN §2). dflash before this rule attended both ways inside the block."""
+
+
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """[b, 1, q, k] bool: keys within `window` positions of the query, on either side."""
+    """[b, 1, q, k] bool: the keys at positions q-(window-1) .. q of each query at position q."""
     dist = q_pos[:, :, None] - k_pos[:, None, :]
-    return (dist.abs() < window)[:, None]
+    return ((dist >= 0) & (dist < window))[:, None]
 
 
 class DFlashAttention(nn.Module):
@@ -287,4 +294,5 @@ def drafter_config(
         block_size=block_size,
         num_target_layers=target_config.num_hidden_layers,
         dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)},
+        **({"dflash_sliding_attention": SLIDING_RULE} if "sliding_attention" in types else {}),
     )

@@ -76,9 +76,9 @@ def reference_forward(sd: dict, cfg: dict, noise, feats, pos):
             for hh in range(nh):
                 kvh = hh // (nh // nkv)
                 scores = q[:, hh] @ k[:, kvh].T / math.sqrt(d)
-                if cfg["layer_types"][i] == "sliding_attention":
-                    dist = (pos[b, c_len:, None] - pos[b, None, :]).abs()
-                    scores = scores.masked_fill(dist >= cfg["sliding_window"], float("-inf"))
+                if cfg["layer_types"][i] == "sliding_attention":  # the served rule: causal, W keys up to q
+                    dist = pos[b, c_len:, None] - pos[b, None, :]
+                    scores = scores.masked_fill((dist < 0) | (dist >= cfg["sliding_window"]), float("-inf"))
                 heads.append(torch.softmax(scores, -1) @ v[:, kvh])
             h = h + torch.cat(heads, -1) @ p("self_attn.o_proj").T
             x = rms(h, p("post_attention_layernorm"))
@@ -174,3 +174,60 @@ def test_context_cache_equals_full_context(layer_types, window):
         part = model(noise, feats[:, 4:], torch.arange(4, 19).expand(2, -1), cache=cache)
     assert cache.length == 11
     assert (full - part).abs().max() < 1e-5
+
+
+
+def _slot_outputs_after_changing_slot(model, j):
+    noise, feats, pos = inputs()
+    with torch.no_grad():
+        before = model(noise, feats, pos)
+        noise = noise.clone()
+        noise[:, j] += 1.0
+        return before, model(noise, feats, pos)
+
+
+def test_sliding_layers_are_causal_inside_the_block_and_full_layers_are_not():
+    """DESIGN §2, as SGLang and vLLM serve DFlash drafters: a sliding layer's block token sees no later
+    block token; a full layer's sees all of them."""
+    before, after = _slot_outputs_after_changing_slot(make_drafter(["sliding_attention"] * 2, 16), 5)
+    assert torch.equal(before[:, :5], after[:, :5]) and not torch.allclose(before[:, 5:], after[:, 5:])
+    before, after = _slot_outputs_after_changing_slot(make_drafter(["full_attention"] * 2), 5)
+    assert not torch.allclose(before[:, :5], after[:, :5])
+
+
+def test_sliding_window_counts_the_query_and_reaches_into_the_context():
+    """W keys end at the query: slot k of a block at anchor p sees context from p+k-(W-1) on. Over
+    two layers: context position 8 reaches slot 0 (position 11, window 8..11) in layer 1, and in
+    layer 2 the slots whose window holds position 11 (slots 0..3), no further."""
+    model = make_drafter(["sliding_attention"] * 2, 4)
+    noise, feats, pos = inputs(ctx=11)
+    with torch.no_grad():
+        before = model(noise, feats, pos)
+        feats = feats.clone()
+        feats[:, 8] += 1.0
+        after = model(noise, feats, pos)
+    changed = [not torch.allclose(before[:, k], after[:, k]) for k in range(8)]
+    assert changed == [True] * 4 + [False] * 4
+
+
+def test_config_records_the_sliding_rule_and_no_causal_flag(tmp_path):
+    import json
+
+    make_drafter(["sliding_attention", "full_attention"], 6).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dflash_sliding_attention"] == "causal_window"
+    assert "is_causal" not in config and "causal" not in config["dflash_config"]
+
+
+def test_a_dflash_drafter_from_before_the_sliding_rule_is_flagged_on_load(tmp_path, caplog):
+    import json
+
+    make_drafter(["sliding_attention", "full_attention"], 6).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dflash_sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "train_state").mkdir()
+    (tmp_path / "train_state/manifest.json").write_text("{}")  # trained by dflash
+    with caplog.at_level("WARNING"):
+        load_drafter(str(tmp_path))
+    assert "before its sliding-attention layers followed the served rule" in caplog.text
