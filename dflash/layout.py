@@ -32,6 +32,9 @@ class CheckpointLayout:
     path: Path
 
     DRAFTER_FILES = ("config.json", "model.safetensors")
+    """What a drafter needs to load (in any z-lab-layout folder, published drafters included)."""
+    SERVING_FILES = ("modeling_dflash.py",)
+    """What dflash adds so AutoModel(trust_remote_code=True) builds the drafter (auto_map in config.json)."""
     STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
 
     @property
@@ -60,7 +63,7 @@ class CheckpointLayout:
 
     def files(self, with_manifest: bool = True) -> set[str]:
         """Every file a complete dflash checkpoint holds, relative to its folder."""
-        names = {*self.DRAFTER_FILES, *(f"train_state/{f}" for f in self.STATE_FILES)}
+        names = {*self.DRAFTER_FILES, *self.SERVING_FILES, *(f"train_state/{f}" for f in self.STATE_FILES)}
         return names | ({"train_state/manifest.json"} if with_manifest else set())
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import shutil
+from pathlib import Path
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.model import SLIDING_RULE, DFlashDraftModel, drafter_config
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
+from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target
@@ -34,8 +38,6 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
 
 def load_drafter(path: str) -> DFlashDraftModel:
     """Load a drafter directory in z-lab layout, with a clear error for what is missing."""
-    from pathlib import Path
-
     root = Path(path).expanduser()
     if not root.is_dir():
         raise NotFoundError(f"drafter directory {path} does not exist")
@@ -59,6 +61,28 @@ def load_drafter(path: str) -> DFlashDraftModel:
                     "(causal inside the block, DESIGN §2): it attended both ways inside the block, so SGLang/vLLM "
                     "serve it differently from how it was trained. Retrain it, or evaluate it knowing that", root)
     return drafter
+
+
+MODELING_FILE = "modeling_dflash.py"
+
+
+def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None) -> None:
+    """The drafter in z-lab layout, loadable wherever published DFlash drafters load: model.safetensors,
+    config.json with both spellings of the rope and dtype keys (transformers 5's rope_parameters/dtype,
+    and rope_theta/rope_scaling/torch_dtype that older readers take), and this package's model.py as
+    modeling_dflash.py with `auto_map`, so AutoModel.from_pretrained(folder, trust_remote_code=True)
+    builds a DFlashDraftModel."""
+    folder = Path(folder)
+    drafter.config.auto_map = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"}
+    drafter.save_pretrained(folder, state_dict=state_dict)
+    shutil.copyfile(inspect.getsourcefile(DFlashDraftModel), folder / MODELING_FILE)  # pure: torch + transformers
+    config = read_json(folder / "config.json")
+    rope = dict(config.get("rope_parameters") or {})
+    config["rope_theta"] = rope.get("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else {
+        k: v for k, v in rope.items() if k != "rope_theta"}
+    config["torch_dtype"] = config.get("dtype")
+    write_json(folder / "config.json", config, indent=2)
 
 
 def check_fits(drafter: DFlashDraftModel, target: Target, source: str = "the drafter") -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.drafter.build import save_drafter
 from dflash.errors import CheckpointError
 from dflash.io import read_json, write_json
 from dflash.layout import STEP_DIR, CheckpointLayout, RunLayout
@@ -91,7 +92,7 @@ def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, optimi
         if tmp.path.exists():
             shutil.rmtree(tmp.path)
         tmp.train_state.mkdir(parents=True)
-        drafter.save_pretrained(tmp.path, state_dict=state_dict)
+        save_drafter(drafter, tmp.path, state_dict=state_dict)
         torch.save(optimizer_state, tmp.state_file("optimizer.pt"))
         torch.save(scheduler_state, tmp.state_file("scheduler.pt"))
         torch.save(rng_state, tmp.state_file("rng.pt"))
