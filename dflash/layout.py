@@ -36,6 +36,9 @@ class CheckpointLayout:
     SERVING_FILES = ("modeling_dflash.py",)
     """What dflash adds so AutoModel(trust_remote_code=True) builds the drafter (auto_map in config.json)."""
     STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+    EXACT_WEIGHTS = "weights_fp32.safetensors"
+    """train_state/ copy of the float32 weights that resuming continues from (model.safetensors may be
+    bf16); checkpoints written before it existed resume from model.safetensors."""
 
     @property
     def config(self) -> Path:
@@ -63,7 +66,8 @@ class CheckpointLayout:
 
     def files(self, with_manifest: bool = True) -> set[str]:
         """Every file a complete dflash checkpoint holds, relative to its folder."""
-        names = {*self.DRAFTER_FILES, *self.SERVING_FILES, *(f"train_state/{f}" for f in self.STATE_FILES)}
+        names = {*self.DRAFTER_FILES, *self.SERVING_FILES,
+                 *(f"train_state/{f}" for f in (*self.STATE_FILES, self.EXACT_WEIGHTS))}
         return names | ({"train_state/manifest.json"} if with_manifest else set())
 
 

@@ -31,7 +31,7 @@ def test_checkpoint_paths_and_files():
     assert ckpt.manifest == Path("/c/step-000020/train_state/manifest.json")
     assert ckpt.files() == {"config.json", "model.safetensors", "modeling_dflash.py", "train_state/optimizer.pt",
                             "train_state/scheduler.pt", "train_state/rng.pt", "train_state/state.json",
-                            "train_state/manifest.json"}
+                            "train_state/manifest.json", "train_state/weights_fp32.safetensors"}
     assert ckpt.files(with_manifest=False) == ckpt.files() - {"train_state/manifest.json"}
 
 

@@ -78,12 +78,16 @@ class TrainConfig:
     """Recompute drafter layer activations in backward to save memory."""
     num_workers: int = 1
     """DataLoader worker processes."""
+    save_dtype: str = "bfloat16"
+    """dtype of a checkpoint's servable model.safetensors (bfloat16, as published drafters ship, or float32);
+    train_state/ always keeps the float32 weights, so resuming is exact either way."""
 
     def __post_init__(self) -> None:
         one_of("train.mode", self.mode, {"offline", "online"})
         one_of("train.mixed_precision", self.mixed_precision, {"auto", "no", "bf16"})
         one_of("train.attention", self.attention, {"auto", "flex", "sdpa"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
+        one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
         for key in ("epochs", "max_steps", "batch_size", "grad_accum", "num_anchors", "log_every",
                     "save_every", "keep_last"):
             positive(f"train.{key}", getattr(self, key))

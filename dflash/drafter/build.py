@@ -7,6 +7,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import torch
+
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.model import SLIDING_RULE, DFlashDraftModel, drafter_config
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
@@ -66,13 +68,17 @@ def load_drafter(path: str) -> DFlashDraftModel:
 MODELING_FILE = "modeling_dflash.py"
 
 
-def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None) -> None:
+def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None,
+                 dtype: torch.dtype | None = None) -> None:
     """The drafter in z-lab layout, loadable wherever published DFlash drafters load: model.safetensors,
     config.json with both spellings of the rope and dtype keys (transformers 5's rope_parameters/dtype,
     and rope_theta/rope_scaling/torch_dtype that older readers take), and this package's model.py as
     modeling_dflash.py with `auto_map`, so AutoModel.from_pretrained(folder, trust_remote_code=True)
-    builds a DFlashDraftModel."""
+    builds a DFlashDraftModel. `dtype` casts the saved floating-point weights (e.g. bf16 for serving)."""
     folder = Path(folder)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v
+                      for k, v in (state_dict if state_dict is not None else drafter.state_dict()).items()}
     drafter.config.auto_map = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"}
     drafter.save_pretrained(folder, state_dict=state_dict)
     shutil.copyfile(inspect.getsourcefile(DFlashDraftModel), folder / MODELING_FILE)  # pure: torch + transformers
@@ -81,6 +87,8 @@ def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | Non
     config["rope_theta"] = rope.get("rope_theta")
     config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else {
         k: v for k, v in rope.items() if k != "rope_theta"}
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = config.get("dtype")
     write_json(folder / "config.json", config, indent=2)
 

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from dflash.drafter.build import save_drafter
 from dflash.errors import CheckpointError
@@ -84,15 +85,18 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, optimizer_state: dict,
-                    scheduler_state: dict, rng_state: dict, state: dict, manifest: dict | None) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
+                    scheduler_state: dict, rng_state: dict, state: dict, manifest: dict | None,
+                    save_dtype: str = "bfloat16") -> Path:
+    """Write checkpoint `step` atomically; returns its directory. The servable weights are cast to
+    `save_dtype`; train_state/ keeps the float32 ones."""
     final = run.checkpoint(step).path
     tmp = CheckpointLayout(final.parent / f".tmp-{final.name}-{os.getpid()}")
     try:
         if tmp.path.exists():
             shutil.rmtree(tmp.path)
         tmp.train_state.mkdir(parents=True)
-        save_drafter(drafter, tmp.path, state_dict=state_dict)
+        save_drafter(drafter, tmp.path, state_dict=state_dict, dtype=getattr(torch, save_dtype))
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp.state_file(tmp.EXACT_WEIGHTS)))
         torch.save(optimizer_state, tmp.state_file("optimizer.pt"))
         torch.save(scheduler_state, tmp.state_file("scheduler.pt"))
         torch.save(rng_state, tmp.state_file("rng.pt"))
@@ -144,6 +148,11 @@ def load_train_state(path: Path) -> dict:
         raise CheckpointError(f"cannot read the training state of {path} ({e}); it is corrupt. Resume from "
                               f"another checkpoint") from e
     out["manifest"] = training_manifest(path)
+    exact = ck.state_file(ck.EXACT_WEIGHTS)
+    try:
+        out["weights"] = load_file(str(exact)) if exact.exists() else None
+    except Exception as e:
+        raise CheckpointError(f"cannot read {exact} ({e}); it is corrupt. Resume from another checkpoint") from e
     return out
 
 

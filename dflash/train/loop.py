@@ -93,6 +93,8 @@ def train(job: JobConfig) -> Path:
     torch.manual_seed(job.train.seed)  # here, so the init does not depend on what data preparation drew
     random.seed(job.train.seed)
     drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(job.drafter, job.layers, target)
+    if resumed and resumed["weights"] is not None:  # the float32 weights, not the (bf16) servable copy
+        drafter.load_state_dict(resumed["weights"])
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
     schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed)
@@ -314,7 +316,7 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
                       "global_batch": job.train.batch_size * acc.num_processes * job.train.grad_accum}
         path = ckpt.save_checkpoint(run, step, m.drafter, {k: v.cpu() for k, v in state_dict.items()},
                                     m.optimizer.state_dict(), m.scheduler.state_dict(), _rng_state(), loop_state,
-                                    manifest)
+                                    manifest, job.train.save_dtype)
         if tau is not None and tau == state.best_tau:
             ckpt.mark_best(run, step, tau)
         ckpt.prune(run, job.train.keep_last)

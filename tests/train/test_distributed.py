@@ -40,8 +40,8 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     one, two = tmp_path / "runs/one", tmp_path / "runs/two"
     a, b = losses(one), losses(two)
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
-    wa = load_file(one / "checkpoints/step-000006/model.safetensors")
-    wb = load_file(two / "checkpoints/step-000006/model.safetensors")
+    wa = load_file(one / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
+    wb = load_file(two / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
     assert json.loads((two / "checkpoints/step-000006/train_state/state.json").read_text())["world_size"] == 2
 

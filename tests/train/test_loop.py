@@ -59,6 +59,11 @@ def test_loss_falls_parameters_change_and_files_are_written(workdir):
     end = load_file(final / "model.safetensors")
     assert any(not torch.equal(init[k], end[k]) for k in end)
     assert set(end) == set(init) and not any(k.startswith(("embed", "lm_head")) for k in end)
+    # servable weights in bf16 (as published drafters ship), the float32 ones kept for resuming
+    exact = load_file(final / "train_state/weights_fp32.safetensors")
+    assert all(v.dtype == torch.bfloat16 and exact[k].dtype == torch.float32 for k, v in end.items())
+    assert all(torch.equal(exact[k].to(torch.bfloat16), v) for k, v in end.items())
+    assert json.loads((final / "config.json").read_text())["torch_dtype"] == "bfloat16"
     evals = [r for r in metrics(run) if "eval/tau" in r]
     assert [r["step"] for r in evals] == [0, 40] and (run / "eval" / "step-000040" / "summary.json").exists()
 
@@ -78,8 +83,8 @@ def test_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
         train(job_for(workdir, "cut", *common))
     monkeypatch.setattr(training, "save", original)
     resumed = train(job_for(workdir, "cut", *common, "train.resume=latest"))
-    a, b = load_file(full / "checkpoints/step-000008/model.safetensors"), load_file(
-        resumed / "checkpoints/step-000008/model.safetensors")
+    a, b = load_file(full / "checkpoints/step-000008/train_state/weights_fp32.safetensors"), load_file(
+        resumed / "checkpoints/step-000008/train_state/weights_fp32.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     loss = lambda run: {r["step"]: r["train/loss"] for r in metrics(run) if "train/loss" in r}  # noqa: E731
     assert loss(full) == loss(resumed)

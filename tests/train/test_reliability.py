@@ -87,8 +87,8 @@ def test_sigkill_at_random_points_then_resume_gives_the_same_drafter(tmp_path):
         assert proc.returncode == 0, err[-3000:]
         break
     assert kills == 4
-    a = load_file(tmp_path / "runs/ref/checkpoints/step-000016/model.safetensors")
-    b = load_file(run / "checkpoints/step-000016/model.safetensors")
+    a = load_file(tmp_path / "runs/ref/checkpoints/step-000016/train_state/weights_fp32.safetensors")
+    b = load_file(run / "checkpoints/step-000016/train_state/weights_fp32.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
