@@ -186,6 +186,7 @@ class RunLogger:
         run.define_metric("train/step")
         run.define_metric("train/*", step_metric="train/step")
         run.define_metric("eval/*", step_metric="train/step")
+        run.define_metric("eval/tau", step_metric="train/step", summary="max")  # the best held-out tau
         return run
 
     def log(self, metrics: dict, step: int) -> None:
@@ -202,6 +203,17 @@ class RunLogger:
         """W&B-only objects (tables, images, plots) at a training step."""
         if self.wandb is not None and items:
             self.wandb.log({**items, "train/step": step})
+
+    def log_checkpoint(self, path: Path, step: int, aliases: list[str]) -> None:
+        """A checkpoint as a W&B model artifact: a reference to its folder (no upload of weights)."""
+        if self.wandb is None:
+            return
+        import wandb
+
+        art = wandb.Artifact(re.sub(r"[^A-Za-z0-9._-]", "_", f"{self.run.name}-drafter")[:120], type="model",
+                             metadata={"step": step, "path": str(Path(path).resolve())})
+        art.add_reference(Path(path).resolve().as_uri(), checksum=False)
+        self.wandb.log_artifact(art, aliases=aliases)
 
     def summary(self, values: dict) -> None:
         if self.wandb is not None:

@@ -39,3 +39,71 @@ def test_progress_logs_a_line_when_there_is_no_terminal(caplog, monkeypatch):
         p.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "dflash.tracking"]
     assert lines and lines[-1].startswith("teacher-forced eval: 3/3 prompts")
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file (`run-<id>.wandb`), parsed with wandb's own protobuf
+    classes. wandb >= 0.2x ships no Python reader of the file, so this walks its documented framing:
+    the `:W&B` header, then LevelDB-log records (7-byte header: checksum, length, kind) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, out, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def _read_offline_run(folder):
+    recs = wandb_records(next(folder.glob("run-*.wandb")))
+    kind = lambda r: r.WhichOneof("record_type")  # noqa: E731
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in recs if kind(r) == "history"]
+    return {"runs": [r.run for r in recs if kind(r) == "run"], "history": history,
+            "metrics": [r.metric for r in recs if kind(r) == "metric"],
+            "artifacts": [r.artifact for r in recs if kind(r) == "artifact"]}
+
+
+@pytest.mark.slow
+def test_offline_train_and_eval_folders_sync_into_one_run(tmp_path):
+    """Evaluation after training writes a second offline folder with the same run id; `wandb sync`
+    of both (in order) puts train and eval curves into one run, eval/* against train/step."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = ["debug=tiny", "logger=wandb_offline", "run.name=w", f"run.root={tmp_path}/runs",
+              f"features.dir={tmp_path}/cache/features"]
+    for script, extra in (("train.py", ["train.max_steps=4", "train.save_every=2"]),
+                          ("evaluate.py", ["checkpoint=step2"])):
+        result = subprocess.run([sys.executable, str(REPO / script), *common, *extra], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    run = RunLayout(tmp_path / "runs/w")
+    folders = sorted((run.path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2  # train, then eval: sorted by time, the order `wandb sync` needs
+    train, evaluation = (_read_offline_run(f) for f in folders)
+    wandb_id = json.loads(run.info.read_text())["wandb_id"]
+    for part in (train, evaluation):
+        assert [(r.run_id, r.project) for r in part["runs"]] == [(wandb_id, "dflash")]
+        assert any(m.glob_name == "eval/*" and m.step_metric == "train/step" for m in part["metrics"])
+        assert any(m.name == "eval/tau" and m.summary.max for m in part["metrics"])
+    assert any("train/loss" in h for h in train["history"])
+    assert [h["train/step"] for h in train["history"] if "eval/tau" in h] == [0, 4]
+    assert [h["train/step"] for h in evaluation["history"] if "eval/tau" in h] == [2]
+    models = [a for a in train["artifacts"] if a.type == "model"]
+    assert len(models) == 2 and all(e.ref.startswith("file://") for a in models for e in a.manifest.contents)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = None) -> None:
     """eval/* scalars at the checkpoint's training step; per-position accuracy as a table (plots
-    as a curve per run), the tau histogram and the plots as images; best values in the summary."""
+    as a curve per run), the tau histogram and the plots as images."""
     logger.log(summary["metrics"], step)
     if logger.wandb is None or summary.get("mode") == "live":
         return
@@ -23,12 +23,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
         "eval/tau_hist": wandb.plot.bar(hist, "tau", "blocks", title=f"tau histogram (step {step})"),
     }
     media.update({f"eval/{name}": wandb.Image(str(path)) for name, path in (images or {}).items()})
-    logger.log_media(media, step)
-    best = logger.wandb.summary.get("eval/best_tau")
-    tau = summary["metrics"]["eval/tau"]
-    if best is None or tau > best:
-        logger.summary({"eval/best_tau": tau, "eval/best_step": step,
-                        **{f"eval/best_{k.split('/', 1)[1]}": v for k, v in summary["metrics"].items()}})
+    logger.log_media(media, step)  # the best eval/tau is W&B's own summary (define_metric summary="max")
 
 
 def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:

@@ -143,7 +143,7 @@ def train(job: JobConfig) -> Path:
                     if eval_now else None
                 if summary is not None:
                     evals[f"step {step}"] = summary
-                save(job, acc, m, run, state, manifest, total, summary)
+                save(job, acc, m, run, state, manifest, total, summary, logger)
         bar.close()
     finally:
         logger.finish()
@@ -302,7 +302,7 @@ def evaluate(job: JobConfig, acc, drafter, target, heldout_set, run: RunLayout, 
 
 
 def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manifest: dict, total: int,
-         summary: dict | None) -> None:
+         summary: dict | None, logger: RunLogger) -> None:
     """Checkpoint `state.step` (main process writes, atomically); best.json follows the held-out tau."""
     step = state.step
     # the z-lab names: without DDP/FSDP wrappers (get_state_dict) and torch.compile's prefix
@@ -317,9 +317,11 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
         path = ckpt.save_checkpoint(run, step, m.drafter, {k: v.cpu() for k, v in state_dict.items()},
                                     m.optimizer.state_dict(), m.scheduler.state_dict(), _rng_state(), loop_state,
                                     manifest, job.train.save_dtype)
-        if tau is not None and tau == state.best_tau:
+        best = tau is not None and tau == state.best_tau
+        if best:
             ckpt.mark_best(run, step, tau)
         ckpt.prune(run, job.train.keep_last)
+        logger.log_checkpoint(path, step, ["latest", f"step-{step}"] + (["best"] if best else []))
         log.info("step %d: checkpoint %s%s", step, path, f", held-out tau {tau:.3f}" if tau is not None else "")
     acc.wait_for_everyone()
 

@@ -25,10 +25,15 @@ class FakeRun:
         self.id, self.store = id, store
         self.summary = {}
         store["runs"].append(self)
-        self.logged, self.metrics = [], []
+        self.logged, self.metrics, self.summaries, self.artifacts = [], [], {}, []
 
-    def define_metric(self, name, step_metric=None):
+    def define_metric(self, name, step_metric=None, summary=None):
         self.metrics.append((name, step_metric))
+        if summary:
+            self.summaries[name] = summary
+
+    def log_artifact(self, artifact, aliases=None):
+        self.artifacts.append((artifact, list(aliases or [])))
 
     def log(self, data):
         self.logged.append(data)
@@ -176,6 +181,13 @@ def test_eval_lands_in_the_training_run_at_its_step(tmp_path, fake_wandb):
     info = json.loads((run / "run.json").read_text())
     train_run = fake_wandb["runs"][0]
     assert info["wandb_id"] == train_run.id and ("eval/*", "train/step") in train_run.metrics
+    assert train_run.summaries == {"eval/tau": "max"}  # the best tau is W&B's summary, not kept by hand
+    # each checkpoint as a model artifact referencing its folder (no upload): latest, step-N, best
+    [(art2, aliases2), (art4, aliases4)] = train_run.artifacts
+    assert art2.type == "model" and aliases2[:2] == ["latest", "step-2"] and aliases4[:2] == ["latest", "step-4"]
+    folder = (run / "checkpoints/step-000004").resolve()
+    refs = sorted(e.ref for e in art4.manifest.entries.values())
+    assert "best" in aliases4 and refs == sorted(p.resolve().as_uri() for p in folder.rglob("*") if p.is_file())
     evaluate(eval_job(tmp_path, "run.name=w", "logger=wandb_offline", "checkpoint=step2"))
     init = fake_wandb["init"][-1]
     assert init["id"] == info["wandb_id"] and init["resume"] == "allow" and init["job_type"] == "eval"
