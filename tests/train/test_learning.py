@@ -45,7 +45,8 @@ def test_short_run_at_least_doubles_the_untrained_tau(correct):
     untrained, final = evals[0], evals[max(evals)]
     assert final["eval/tau"] >= 2 * untrained["eval/tau"], (untrained["eval/tau"], final["eval/tau"])
     assert final["eval/acc@1"] > untrained["eval/acc@1"] + 0.3
-    assert final["eval/ddtree@8"] >= final["eval/tau"]
+    # ddtree@8 is a tree of 8 nodes in all (DESIGN §5): it need not reach the single path's tau, but it learns too
+    assert final["eval/ddtree@8"] > untrained["eval/ddtree@8"] + 0.5
 
 
 def test_labels_shifted_by_one_score_clearly_lower(correct, monkeypatch):
