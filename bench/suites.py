@@ -14,6 +14,7 @@ from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.loss import block_loss, slot_weights
 from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.layout import CacheLayout
 
 # Qwen3-8B feature shape: 5 target layers x hidden 4096
 REAL_LAYERS, REAL_HIDDEN = 5, 4096
@@ -151,7 +152,7 @@ def bytes_per_token(quick: bool, **_) -> dict:
                                            "storage": storage})
             fcache.write_shard(root, 0, [f"s{i}" for i in range(n)], [s[0] for s in seqs], [s[1] for s in seqs],
                                [s[2] for s in seqs], storage, REAL_LAYERS)
-            size = (root / fcache.shard_file(0)).stat().st_size
+            size = CacheLayout(root).shard(0).stat().st_size
             out[storage] = round(size / tokens, 1)
             if storage == "float8_e4m3fn":
                 fcache.finalize(root, 1)
