@@ -32,18 +32,23 @@ from dflash.provenance import check_kernels, target_signature
 log = logging.getLogger(__name__)
 
 
-def heldout_key(job: JobConfig, target) -> dict:
-    """Everything the held-out sequences depend on (what keys its folder)."""
-    prompts = load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
+def _prompts(job: JobConfig):
+    return load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
+
+
+def heldout_key(job: JobConfig, target, prompts=None) -> dict:
+    """Everything the held-out sequences depend on (what keys its folder); `prompts` when already read."""
+    prompts = _prompts(job) if prompts is None else prompts
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking}
 
 
-def heldout_paths(job: JobConfig, target, layer_ids: list[int]) -> tuple[Path, Path]:
+def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
     """(features folder, completions file) of the held-out set; by default under cache/<target>/."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(job.eval.prompts.removeprefix("builtin:")).stem)
-    sig = hashlib.sha256(json.dumps(heldout_key(job, target), sort_keys=True).encode()).hexdigest()[:8]
+    key = heldout_key(job, target) if key is None else key
+    sig = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     base = CacheLayout(Path(job.features.dir)).target_root / f"eval-{name}-n{job.eval.max_new_tokens}-{sig}"
     layers = "L" + "-".join(map(str, layer_ids))
     features = Path(job.eval.features_dir) / layers if job.eval.features_dir else base / f"features-{layers}"
@@ -59,7 +64,9 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), greedy
     completions of eval.max_new_tokens generated one prompt at a time (no padding), untruncated,
     features of `layer_ids` in float32. Needs the full target."""
-    features_dir, store = heldout_paths(job, target, layer_ids)
+    prompts = _prompts(job)
+    key = heldout_key(job, target, prompts)
+    features_dir, store = heldout_paths(job, target, layer_ids, key)
     if fcache.is_complete(features_dir):
         return
     log.info("extracting the held-out set %s into %s", job.eval.prompts, features_dir)
@@ -67,11 +74,10 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
         "server" if job.data.completions.source == "server" else "hf")
     completions = replace(job.data.completions, source=source, path=str(store),
                           max_new_tokens=job.eval.max_new_tokens, batch_size=1)
-    prompts = load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
                                  max_length=None)
-    prepared.info["heldout_key"] = heldout_key(job, target)  # checked again by load(), wherever the set lives
+    prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
                      max_length=None)
@@ -80,8 +86,9 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
 def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
     """The held-out features; refused if they were made for other settings (an explicit
     eval.features_dir is not keyed by them) or the target now runs other kernels than made them."""
-    cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids)[0], dtype=torch.float32)
-    made_for, now = cache.manifest.get("data", {}).get("heldout_key"), heldout_key(job, target)
+    now = heldout_key(job, target)
+    cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids, now)[0], dtype=torch.float32)
+    made_for = cache.manifest.get("data", {}).get("heldout_key")
     if made_for is not None and made_for != now:
         diff = ", ".join(f"{k}: {made_for.get(k)!r} there, {now.get(k)!r} now" for k in now if made_for.get(k) != now[k])
         raise CacheError(f"the held-out set in {cache.root} was made for other settings ({diff[:600]}); delete it "
