@@ -117,6 +117,7 @@ def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: 
             visible = visible & (dist >= 0) & (dist < window)
         return visible
 
+    mask_mod.window = window  # the mask kind, part of what a compiled flex graph is specialised on
     return mask_mod
 
 
@@ -176,18 +177,58 @@ def packed_attention_masks(blocks: PackedBlocks, layer_types: list[str], window:
     return masks
 
 
+FLEX_LENGTH_MULTIPLE = 256
+"""flex attention is compiled for static shapes: context lengths are padded to a multiple of this, so a
+run compiles at most max_length / 256 graphs per mask kind instead of one per batch."""
+
+
+def flex_padded_shape(ctx_len: int, n_blocks: int, num_blocks: int | None = None) -> tuple[int, int]:
+    """(context length, block count) a packed batch is padded to on the flex path: the context to a
+    multiple of FLEX_LENGTH_MULTIPLE, the blocks to `num_blocks` (train.num_anchors) or a power of two."""
+    length = -(-ctx_len // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE
+    blocks = num_blocks if num_blocks is not None and num_blocks >= n_blocks else 1 << max(n_blocks - 1, 0).bit_length()
+    return length, blocks
+
+
+def pad_packed(blocks: PackedBlocks, features: torch.Tensor, ctx_len: int, n_blocks: int,
+               mask_token_id: int) -> tuple[PackedBlocks, torch.Tensor]:
+    """Blocks and features padded to `ctx_len` context positions and `n_blocks` blocks.
+
+    Padded context positions lie at or after every real anchor, so no real block sees them; padded
+    blocks (anchor 0, invalid, no labels) see only their own tokens. Real blocks' outputs are unchanged.
+    """
+    b, n = blocks.anchors.shape
+    B, L, dev = blocks.block_size, blocks.ctx_len, blocks.anchors.device
+    extra = n_blocks - n
+    anchors = torch.cat([blocks.anchors, blocks.anchors.new_zeros(b, extra)], 1)
+    valid = torch.cat([blocks.valid, blocks.valid.new_zeros(b, extra)], 1)
+    input_ids = torch.cat([blocks.input_ids, blocks.input_ids.new_full((b, extra * B), mask_token_id)], 1)
+    block_pos = torch.cat([blocks.position_ids[:, L:], torch.arange(B, device=dev).repeat(extra).expand(b, -1)], 1)
+    position_ids = torch.cat([torch.arange(ctx_len, device=dev).expand(b, -1), block_pos], 1)
+    labels = torch.cat([blocks.labels, blocks.labels.new_zeros(b, extra, B)], 1)
+    label_mask = torch.cat([blocks.label_mask, blocks.label_mask.new_zeros(b, extra, B)], 1)
+    features = torch.nn.functional.pad(features, (0, 0, 0, ctx_len - features.shape[1]))
+    return PackedBlocks(anchors, valid, input_ids, position_ids, labels, label_mask, ctx_len, B), features
+
+
 def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBlocks,
-                 backend: str = "sdpa", model=None) -> torch.Tensor:
+                 backend: str = "sdpa", model=None, num_blocks: int | None = None) -> torch.Tensor:
     """Drafter hidden states for every packed block: [b, n, B, H].
 
     features: [b, L, n_layers * H] (already noised if noise is on). model: what to call
-    (a DDP/compiled wrapper of `drafter`); defaults to the drafter itself.
+    (a DDP/compiled wrapper of `drafter`); defaults to the drafter itself. With backend=flex the
+    forward runs on shapes padded by `flex_padded_shape` (num_blocks: the usual block count, e.g.
+    train.num_anchors), so compiled graphs are reused across batches; the result is the same.
     """
+    b, n = blocks.anchors.shape
+    if backend == "flex":
+        ctx_len, n_padded = flex_padded_shape(blocks.ctx_len, n, num_blocks)
+        if (ctx_len, n_padded) != (blocks.ctx_len, n):
+            blocks, features = pad_packed(blocks, features, ctx_len, n_padded, drafter.mask_token_id)
     masks = packed_attention_masks(blocks, drafter.layer_types, drafter.config.sliding_window, backend)
     noise = embed_tokens(blocks.input_ids).to(features.dtype)
     hidden = (drafter if model is None else model)(noise, features, blocks.position_ids, attention_mask=masks)
-    b, n = blocks.anchors.shape
-    return hidden.view(b, n, blocks.block_size, -1)
+    return hidden.view(b, -1, blocks.block_size, hidden.shape[-1])[:, :n]
 
 
 def draft_block(drafter, embed_tokens, features: torch.Tensor, anchor_token: torch.Tensor, anchor: int,

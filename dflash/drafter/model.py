@@ -13,11 +13,13 @@ saving go through ``PreTrainedModel``), no accelerate, wandb or Hydra.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -32,14 +34,35 @@ try:  # flex attention is used for packed training on CUDA; absent on very old t
 except ImportError:  # pragma: no cover
     BlockMask, flex_attention = None, None
 
+log = logging.getLogger(__name__)
+
 _compiled_flex = None
+_flex_shapes: set = set()
+
+
+def flex_compile_count() -> int:
+    """Distinct flex attention graphs compiled in this process so far (one per input shape and mask
+    kind: flex is compiled with static shapes, so draft_packed pads shapes into buckets to bound this)."""
+    return len(_flex_shapes)
 
 
 def _flex(q, k, v, block_mask, scale):
-    """flex_attention compiled once per process (uncompiled flex is a slow reference path)."""
+    """flex_attention compiled once per process (uncompiled flex is a slow reference path that
+    materialises the whole score matrix). Each new shape compiles a new graph; the recompile limit is
+    raised as needed so torch never falls back to the uncompiled path."""
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, q.requires_grad or k.requires_grad,
+           getattr(block_mask.mask_mod, "window", None))
+    if key not in _flex_shapes:
+        _flex_shapes.add(key)
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        if getattr(config, limit) < len(_flex_shapes) + 1:
+            setattr(config, limit, 2 * len(_flex_shapes))
+        log.info("flex attention: compiling for queries %s, keys %s (%d graphs so far)", tuple(q.shape),
+                 tuple(k.shape), len(_flex_shapes))
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
@@ -175,7 +198,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
         self.post_init()
+
+    def _set_gradient_checkpointing(self, enable: bool = True, *_, **__) -> None:
+        """What transformers' `gradient_checkpointing_enable()` calls (train.gradient_checkpointing): in
+        training, each layer keeps only its inputs and recomputes its activations in backward."""
+        self.gradient_checkpointing = enable
 
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
@@ -230,8 +259,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         masks = self._masks(attention_mask, position_ids, noise_embedding.shape[1], cache)
         hidden = noise_embedding
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, masks[layer.self_attn.layer_type], cache)
+            mask = masks[layer.self_attn.layer_type]
+            if recompute:
+                hidden = checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False)
+            else:
+                hidden = layer(hidden, context, cos, sin, mask, cache)
         if cache is not None:
             new_pos = position_ids[:, : context.shape[1]]
             cache.positions = new_pos if cache.positions is None else torch.cat([cache.positions, new_pos], 1)

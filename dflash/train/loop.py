@@ -25,6 +25,7 @@ from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed
 from dflash.drafter.build import build_drafter, load_drafter
 from dflash.drafter.loss import block_loss
+from dflash.drafter.model import flex_compile_count
 from dflash.errors import ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
@@ -67,6 +68,7 @@ def train(job: JobConfig) -> Path:
         raise ConfigError("checkpoint= selects what evaluate.py evaluates; to continue training use "
                           "train.resume=latest|best|step<N>|<path>")
     acc = make_accelerator(job)
+    backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
     dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
@@ -103,7 +105,6 @@ def train(job: JobConfig) -> Path:
     m = prepare_model(job, acc, drafter, total, resumed, state)
 
     gamma = job.loss.gamma_for(drafter.block_size)
-    backend = attention_backend(job, acc.device)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
                         drafter.block_size, drafter.mask_token_id, gamma)
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
@@ -170,6 +171,10 @@ def make_accelerator(job: JobConfig):
 def attention_backend(job: JobConfig, device: torch.device) -> str:
     if job.train.attention == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
+    if job.train.attention == "flex" and device.type != "cuda":
+        raise ConfigError(f"train.attention=flex needs a CUDA device: torch {torch.__version__} has no flex "
+                          f"attention backward on {device.type}; use train.attention=sdpa (or auto, which picks "
+                          f"sdpa here and flex on CUDA)")
     return job.train.attention
 
 
@@ -206,8 +211,8 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
         if resumed["state"].get("world_size") != acc.num_processes:
             log.warning("resuming a %s-process run on %d processes: the data order changes from here on",
                         resumed["state"].get("world_size"), acc.num_processes)
-    if job.train.gradient_checkpointing:
-        drafter.gradient_checkpointing_enable()
+    if job.train.gradient_checkpointing:  # transformers 5.x renames the method; both reach the drafter's flag
+        (getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable)()
     model = torch.compile(drafter) if job.train.compile else drafter
     model, optimizer = acc.prepare(model, optimizer)
     if resumed:
@@ -238,7 +243,8 @@ def train_step(job: JobConfig, acc, m: Model, target, micro: list, state: TrainS
         noised = add_noise(clean, job.noise, n_layers, job.train.seed, batch.epoch, batch.index)
         sync = i == len(micro) - 1
         with acc.no_sync(m.model) if not sync else nullcontext(), acc.autocast():
-            hidden = draft_packed(m.drafter, target.embed_tokens, noised, blocks, backend, model=m.model)
+            hidden = draft_packed(m.drafter, target.embed_tokens, noised, blocks, backend, model=m.model,
+                                  num_blocks=job.train.num_anchors)
             loss_sum, _, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
                                            job.loss.chunk_logits)
         bad = torch.tensor(0.0 if torch.isfinite(loss_sum) else 1.0, device=acc.device)
@@ -282,6 +288,8 @@ def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_ep
            "train/tokens_per_s": float(sums[1]) / elapsed, "train/anchors_per_s": float(sums[2]) / elapsed,
            "train/peak_memory_gb": peak_memory_bytes(acc.device) / 2**30,
            "train/epoch": state.step / steps_per_epoch}
+    if flex_compile_count():  # bounded by the length buckets (see dflash.drafter.blocks.flex_padded_shape)
+        out["train/flex_compiles"] = flex_compile_count()
     logger.log(out, state.step)
     state.window = {}
     state.window_start = time.time()

@@ -114,3 +114,77 @@ def test_flex_attention_path_matches_the_dense_path_on_cpu():
         dense = draft_packed(drafter, embed, feats, blocks, "sdpa")
         flex = draft_packed(drafter, embed, feats, blocks, "flex")
     assert (dense - flex).abs().max() < 1e-5
+
+
+def test_flex_shapes_are_padded_into_buckets():
+    from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE as M
+    from dflash.drafter.blocks import flex_padded_shape
+
+    assert flex_padded_shape(1, 1) == (M, 1)
+    assert flex_padded_shape(M, 5) == (M, 8)
+    assert flex_padded_shape(M + 1, 300, 512) == (2 * M, 512)
+    assert flex_padded_shape(M + 1, 600, 512) == (2 * M, 1024)  # more blocks than usual: a power of two
+
+
+@pytest.mark.slow
+def test_compiled_flex_forward_compiles_once_per_bucket_over_varying_batches(caplog):
+    """Twenty-four batches of different lengths and anchor counts through the compiled flex forward
+    (CPU, no grad: torch has no flex backward on CPU): one graph per length bucket and mask kind, no
+    fallback to uncompiled flex, and the dense path's outputs."""
+    import logging
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from dflash.drafter import model as drafter_model
+    from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE as M
+    from dflash.drafter.blocks import flex_padded_shape
+
+    torch._dynamo.reset()
+    drafter_model._flex_shapes.clear()
+    drafter = make_drafter(["sliding_attention", "full_attention"], 6).eval()
+    embed = torch.nn.Embedding(300, 64)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(40, 2 * M, (24,), generator=g).tolist()
+    graphs_before = counters["stats"]["unique_graphs"]
+    buckets = set()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        for i, L in enumerate(lengths):
+            ids = torch.randint(0, 290, (1, L), generator=g)
+            feats = torch.randn(1, L, 3 * 64, generator=g)
+            anchors = sample_anchors(torch.ones(L, dtype=torch.bool), 4 + i % 5, g)
+            blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([L]), [anchors], B, MASK)
+            buckets.add(flex_padded_shape(L, anchors.numel(), 8))
+            dense = draft_packed(drafter, embed, feats, blocks, "sdpa")
+            flex = draft_packed(drafter, embed, feats, blocks, "flex", num_blocks=8)
+            assert flex.shape == dense.shape
+            assert (dense - flex).abs().max() < 1e-5, L
+    kinds = 2  # sliding and full attention layers
+    assert len(buckets) == 2 and len(set(lengths)) > 20
+    assert drafter_model.flex_compile_count() == len(buckets) * kinds
+    assert 0 < counters["stats"]["unique_graphs"] - graphs_before <= len(buckets) * kinds
+    fallback = [str(w.message) for w in caught if "limit" in str(w.message)]
+    fallback += [r.getMessage() for r in caplog.records if "limit" in r.getMessage()]
+    assert not fallback
+
+
+def test_padding_for_flex_leaves_outputs_and_gradients_unchanged():
+    """The padding the flex path adds (context to a bucket, blocks to num_anchors), checked on the dense
+    path with gradients: real blocks give the same outputs and every parameter the same gradient."""
+    from dflash.drafter.blocks import pad_packed
+
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]),
+                         [torch.tensor([1, 7, 12, 25])], B, MASK)
+    results = []
+    for pad in (False, True):
+        drafter = make_drafter(["sliding_attention", "full_attention"], 6).train()
+        b, f = pad_packed(blocks, feats, 64, 7, MASK) if pad else (blocks, feats)
+        out = draft_packed(drafter, embed, f, b)[:, :4]
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    assert (results[0][0] - results[1][0]).abs().max() < 1e-5
+    for name, grad in results[0][1].items():
+        assert torch.allclose(grad, results[1][1][name], atol=1e-6), name

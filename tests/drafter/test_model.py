@@ -231,3 +231,32 @@ def test_a_dflash_drafter_from_before_the_sliding_rule_is_flagged_on_load(tmp_pa
     with caplog.at_level("WARNING"):
         load_drafter(str(tmp_path))
     assert "before its sliding-attention layers followed the served rule" in caplog.text
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """train.gradient_checkpointing recomputes each layer in backward: same loss, same gradients, and
+    transformers' own switch reaches it (it used to raise: the layers had no checkpointing flag)."""
+    from dflash.drafter.blocks import draft_packed, pack_blocks
+
+    embed = torch.nn.Embedding(300, 64)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 290, (2, 30), generator=g)
+    feats = torch.randn(2, 30, 3 * 64, generator=g)
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30, 24]),
+                         [torch.tensor([2, 9, 20]), torch.tensor([5, 11])], 8, 299)
+    grads, losses = [], []
+    for checkpointing in (False, True):
+        drafter = make_drafter(["sliding_attention", "full_attention"], 6).train()
+        if checkpointing:
+            drafter.gradient_checkpointing_enable()
+            assert drafter.gradient_checkpointing
+        calls = []
+        drafter.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        loss = draft_packed(drafter, embed, feats, blocks).square().mean()
+        loss.backward()
+        assert len(calls) == (2 if checkpointing else 1)  # recomputed in backward
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7)
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-6), name

@@ -176,3 +176,16 @@ def test_compiled_drafter_trains_and_saves_the_zlab_layout(workdir):
     ckpt = run / "checkpoints/step-000002"
     assert all(not k.startswith("_orig_mod") for k in load_file(ckpt / "model.safetensors"))
     assert load_drafter(str(ckpt)).target_layer_ids == [1, 2, 3, 4, 5]
+
+
+def test_flex_attention_on_a_cpu_is_refused_before_any_work(workdir):
+    job = job_for(workdir, "flexcpu", "train.attention=flex", f"features.dir={workdir}/flexcpu/features")
+    with pytest.raises(ConfigError, match="train.attention=flex needs a CUDA device.*train.attention=sdpa"):
+        train(job)
+    assert not (workdir / "flexcpu").exists() and not (workdir / "runs" / "flexcpu").exists()
+
+
+def test_gradient_checkpointing_trains(workdir):
+    run = train(job_for(workdir, "ckpting", "train.max_steps=3", "train.gradient_checkpointing=true",
+                        "eval.at_start=false"))
+    assert [s for s, _ in RunLayout(run).list_checkpoints()] == [3]
