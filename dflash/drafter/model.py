@@ -150,13 +150,23 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
     def _chunked(self, q, k, v, mask):
-        """Each chunk of queries against the context keys it can see plus its own block keys."""
+        """Each chunk of queries against the context keys it can see plus its own block keys.
+
+        Keys and values are cut once with split (its backward is one concatenation): slicing them per
+        chunk made every slice's backward write a zero gradient of the full key length, which cost more
+        than the attention itself.
+        """
+        ends = sorted({ch.ctx_len for ch in mask.chunks} - {0})
+        ctx_sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)] + [mask.ctx_len - (ends[-1] if ends else 0)]
+        q_sizes = [ch.q_end - ch.q_start for ch in mask.chunks]
+        k_parts, v_parts = k.split(ctx_sizes + q_sizes, dim=2), v.split(ctx_sizes + q_sizes, dim=2)
         outs = []
-        for ch in mask.chunks:
-            keys = torch.cat([k[:, :, : ch.ctx_len], k[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
-            vals = torch.cat([v[:, :, : ch.ctx_len], v[:, :, mask.ctx_len + ch.q_start: mask.ctx_len + ch.q_end]], 2)
-            outs.append(F.scaled_dot_product_attention(q[:, :, ch.q_start: ch.q_end], keys, vals, attn_mask=ch.mask,
-                                                       scale=self.scaling, enable_gqa=True))
+        for i, (ch, q_chunk) in enumerate(zip(mask.chunks, q.split(q_sizes, dim=2))):
+            n_ctx = ends.index(ch.ctx_len) + 1 if ch.ctx_len else 0
+            keys = torch.cat([*k_parts[:n_ctx], k_parts[len(ctx_sizes) + i]], 2)
+            vals = torch.cat([*v_parts[:n_ctx], v_parts[len(ctx_sizes) + i]], 2)
+            outs.append(F.scaled_dot_product_attention(q_chunk, keys, vals, attn_mask=ch.mask, scale=self.scaling,
+                                                       enable_gqa=True))
         return torch.cat(outs, dim=2)
 
 

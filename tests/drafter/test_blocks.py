@@ -188,3 +188,29 @@ def test_padding_for_flex_leaves_outputs_and_gradients_unchanged():
     assert (results[0][0] - results[1][0]).abs().max() < 1e-5
     for name, grad in results[0][1].items():
         assert torch.allclose(grad, results[1][1][name], atol=1e-6), name
+
+
+def test_packed_gradients_equal_the_one_block_gradients(monkeypatch):
+    """Chunked dense attention (several chunks, context lengths not in order across the batch) gives
+    every parameter the gradient of the same blocks drafted one at a time."""
+    from dflash.drafter import blocks as blocks_module
+
+    monkeypatch.setattr(blocks_module, "BLOCKS_PER_CHUNK_TOKENS", 2 * B)
+    embed = torch.nn.Embedding(300, 64)
+    ids, feats = _seq()
+    ids, feats = torch.cat([ids, ids.flip(1)]), torch.cat([feats, feats.flip(1)])
+    anchors = [torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([20, 24, 27])]
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30, 30]), anchors, B, MASK)
+    grads = []
+    for packed in (True, False):
+        drafter = make_drafter(["sliding_attention", "full_attention"], 6).train()
+        if packed:
+            out = draft_packed(drafter, embed, feats, blocks)
+            loss = sum(out[i, : a.numel()].square().sum() for i, a in enumerate(anchors))
+        else:
+            loss = sum(draft_block(drafter, embed, feats[i: i + 1, :p], ids[i: i + 1, p], p).square().sum()
+                       for i, a in enumerate(anchors) for p in a.tolist())
+        loss.backward()
+        grads.append({n: p.grad for n, p in drafter.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-4, rtol=1e-4), name
