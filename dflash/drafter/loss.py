@@ -35,10 +35,9 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     if hidden.shape[0] <= chunk_rows:
         return _chunk_ce(hidden, lm_head_weight, labels, row_weight)
     total, preds = hidden.new_zeros((), dtype=torch.float32), []
-    for s in range(0, hidden.shape[0], chunk_rows):
-        e = s + chunk_rows
-        part, pred = checkpoint(_chunk_ce, hidden[s:e], lm_head_weight, labels[s:e], row_weight[s:e],
-                                use_reentrant=False)
+    # split, not per-chunk slices: a slice's backward writes a zero gradient the size of all of `hidden`
+    for h, y, w in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows)):
+        part, pred = checkpoint(_chunk_ce, h, lm_head_weight, y, w, use_reentrant=False)
         total = total + part
         preds.append(pred)
     return total, torch.cat(preds)
