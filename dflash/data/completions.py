@@ -8,7 +8,8 @@ instead of silently mixed in.
 
 Store records: {"id", "prompt_sha", "completion" (text), "completion_ids" (token ids, with the
 stop token when generation stopped), "finish_reason"}. A user-supplied cached file only needs
-"id" and "completion".
+"id" and "completion"; give "finish_reason": "stop" for a completion that ended its turn, so its
+end-of-turn token is labelled (without it the text is taken as cut short).
 """
 
 from __future__ import annotations
@@ -279,16 +280,19 @@ def _run_server(cfg, model, items, out: _Appender, eos_id) -> None:
     bar.close()
 
 
-def completion_ids(record: dict, tokenizer) -> list[int]:
+def completion_ids(record: dict, tokenizer, eos_id: int | None = None) -> list[int]:
     """Token ids of a stored completion: as generated (hf, or a server that returns ids), else the
     re-tokenized text; the token that ended generation is labelled once, when it belongs to the
-    response (see server_record; older records without `end_id`: the end-of-turn token on "stop")."""
+    response (see server_record). Records without `end_id` (older server records, user-supplied
+    files) that say finish_reason "stop" get the end-of-turn token: their `eos_id`, else `eos_id`
+    (the target's <|im_end|>)."""
     if record.get("completion_ids") is not None:
         ids = list(record["completion_ids"])
     else:
         ids = tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
     end = record["end_id"] if "end_id" in record else (
-        record.get("eos_id") if record.get("finish_reason") == "stop" and "completion_ids" not in record else None)
+        record.get("eos_id", eos_id) if record.get("finish_reason") == "stop" and "completion_ids" not in record
+        else None)
     if end is not None and (not ids or ids[-1] != int(end)):
         ids.append(int(end))
     return ids

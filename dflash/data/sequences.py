@@ -67,17 +67,20 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     if skipped["prompt_too_long"]:
         log.warning("skipping %d of %d prompts longer than data.max_length=%d tokens",
                     skipped["prompt_too_long"], len(prompts), max_length)
-    settings = generation_settings(target, completions, chat_template, enable_thinking)
+    # a cached file is read as it is; the settings guard only stores that hf/server extend (and
+    # fingerprinting a 250k-token tokenizer such as Qwen3.5's takes seconds)
+    settings = ({} if completions.source == "cached"
+                else generation_settings(target, completions, chat_template, enable_thinking))
+    eos_id = target.tokenizer.convert_tokens_to_ids("<|im_end|>") if target.tokenizer else None
     records = obtain(completions, store, [(prompts[i].id, texts[i]) for i in fits], settings, dist,
-                     target=target, model=completions.model or str(target.path),
-                     eos_id=target.tokenizer.convert_tokens_to_ids("<|im_end|>") if target.tokenizer else None)
+                     target=target, model=completions.model or str(target.path), eos_id=eos_id)
     sequences = []
     for i in fits:
         rec = records.get(prompts[i].id)
         if rec is None or rec.get("prompt_sha") not in (None, text_sha(texts[i])):
             skipped["no_completion"] += 1
             continue
-        seq = build_sequence(prompts[i].id, ids[i], completion_ids(rec, target.tokenizer), max_length)
+        seq = build_sequence(prompts[i].id, ids[i], completion_ids(rec, target.tokenizer, eos_id), max_length)
         if seq is None:
             skipped["completion_too_short"] += 1
             continue
