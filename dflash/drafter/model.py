@@ -63,6 +63,9 @@ def _flex(q, k, v, block_mask, scale):
             setattr(config, limit, 2 * len(_flex_shapes))
         log.info("flex attention: compiling for queries %s, keys %s (%d graphs so far)", tuple(q.shape),
                  tuple(k.shape), len(_flex_shapes))
+    if torch.is_autocast_enabled(q.device.type):  # autocast skips flex (it does cast sdpa): q/k leave the
+        dtype = torch.get_autocast_dtype(q.device.type)  # float32-weighted norms in float32, v in bf16
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 

@@ -214,3 +214,24 @@ def test_packed_gradients_equal_the_one_block_gradients(monkeypatch):
         grads.append({n: p.grad for n, p in drafter.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-4, rtol=1e-4), name
+
+
+def test_flex_gets_one_dtype_under_autocast(monkeypatch):
+    """Autocast casts sdpa's inputs but not flex's: q/k leave the float32-weighted norms in float32 while v
+    is bf16, which flex on CUDA refuses; the flex path casts all three to the autocast dtype."""
+    from dflash.drafter import model as drafter_model
+
+    seen = []
+
+    def fake_flex(q, k, v, block_mask, scale, enable_gqa):
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(drafter_model, "_compiled_flex", fake_flex)
+    drafter = make_drafter(["sliding_attention", "full_attention"], 6)
+    ids, feats = _seq()
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [torch.tensor([1, 7])], B,
+                         MASK)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        draft_packed(drafter, torch.nn.Embedding(300, 64), feats, blocks, "flex")
+    assert seen == [{torch.bfloat16}] * 2
