@@ -67,3 +67,57 @@ def matmul_flops(device: torch.device, n: int = 2048, dtype=torch.float32) -> fl
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     t = timed(lambda: a @ b, repeat=5)
     return 2 * n**3 / t
+
+
+class TensorPeak:
+    """Peak bytes of live tensor storages while active, on any device (a TorchDispatchMode that
+    sees every aten op's outputs; views share a storage and count once, a storage counts until it
+    is freed). Tensors made before entering are counted only once passed to `track`. Buffers a
+    kernel allocates internally and frees before returning are not seen.
+
+        with TensorPeak() as mem:
+            mem.track(*model.parameters())
+            step()
+        mem.peak, mem.peak_op   # bytes, the aten op whose outputs made the peak
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._see(torch.utils._pytree.tree_leaves(out), func)
+                return out
+
+        self._mode, self._live, self.peak, self.peak_op = _Mode(), {}, 0, None
+
+    def track(self, *tensors) -> None:
+        self._see([t for t in tensors if t is not None], "track")
+
+    @property
+    def live(self) -> int:
+        self._live = {k: v for k, v in self._live.items() if not v[0].expired()}
+        return sum(n for _, n in self._live.values())
+
+    def _see(self, outputs, op) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        live = self.live  # drop freed storages first: a new storage may reuse a freed address
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st.data_ptr() not in self._live and st.nbytes():
+                    self._live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+                    live += st.nbytes()
+        if live > self.peak:
+            self.peak, self.peak_op = live, str(op)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

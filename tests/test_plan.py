@@ -1,0 +1,136 @@
+"""bench.plan: the per-GPU memory plan of a training step, checked against measured peaks on CPU."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from bench import plan
+from bench.measure import TensorPeak
+from dflash.config import OptimConfig
+from dflash.drafter.blocks import draft_packed, pack_blocks
+from dflash.drafter.build import build_drafter
+from dflash.drafter.loss import block_loss
+from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.train.optim import build_optimizer
+
+
+@pytest.mark.parametrize("experiment", ["qwen3_8b", "qwen3_6_27b"])
+def test_plan_of_the_real_targets_builds_on_meta_and_is_sane(experiment):
+    drafter, shape, setup = plan.build(plan.compose([f"experiment={experiment}"]))
+    assert all(p.device.type == "meta" for p in drafter.parameters())
+    if experiment == "qwen3_8b":  # 5 Qwen3-8B-wide layers, fc from 5 target layers, two norms
+        layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 128 + 2 * 4096
+        assert shape.params == 5 * layer + 5 * 4096 * 4096 + 2 * 4096
+    assert (shape.hidden, shape.vocab, shape.block_size, setup.num_anchors, setup.ctx_len) == (
+        {"qwen3_8b": 4096, "qwen3_6_27b": 5120}[experiment], {"qwen3_8b": 151936, "qwen3_6_27b": 248320}[experiment],
+        16, 512, 3072)
+    out = plan.make_plan(shape, setup, [24, 40, 80, 141])
+    t = out["terms_gib"]
+    assert t["gradients (fp32)"] == t["drafter parameters (fp32)"] == t["AdamW state (2 x fp32)"] / 2
+    assert t["activations, checkpointing"] < t["activations, no checkpointing"]
+    assert 10 < out["peak"]["no checkpointing"]["gib"] < 80  # the recipe trains on one 80 GB GPU
+    anchors = [g["max_num_anchors"]["no checkpointing"] for g in out["gpus"]]
+    assert anchors == sorted(anchors) and anchors[2] > 512
+    assert all(g["max_num_anchors"]["checkpointing"] >= g["max_num_anchors"]["no checkpointing"] for g in out["gpus"])
+    at_max = plan.peak(shape, replace(setup, num_anchors=anchors[2]))[0]
+    assert at_max <= 80 * plan.GiB < plan.peak(shape, replace(setup, num_anchors=anchors[2] + 1))[0]
+
+
+def test_plan_sharding_and_the_command_line(capsys):
+    job = plan.compose(["experiment=qwen3_6_27b"])
+    _, shape, ddp = plan.build(job, world=8)
+    _, _, fsdp = plan.build({**job, "train": replace(job["train"], distributed="fsdp")}, world=8)
+    t_ddp, t_fsdp = plan.terms(shape, ddp), plan.terms(shape, fsdp)
+    assert t_fsdp["AdamW state (2 x fp32)"] == t_ddp["AdamW state (2 x fp32)"] / 8
+    assert t_ddp["DDP gradient buckets"] == t_ddp["gradients (fp32)"] and t_fsdp["DDP gradient buckets"] == 0
+    _, online, setup = plan.build({**job, "train": replace(job["train"], mode="online")})
+    assert 26e9 < online.target_params < 28e9 and plan.terms(online, setup)["target model (online)"] > 50e9
+
+    plan.main(["experiment=qwen3_8b", "train.num_anchors=1024", "gpu_gb=[80,141]", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["num_anchors"] == 1024 and [g["gpu_gib"] for g in out["gpus"]] == [80, 141]
+    plan.main(["experiment=qwen3_8b", "gpu_gb=48"])
+    text = capsys.readouterr().out
+    assert "loss logits buffer" in text and "48 GiB" in text
+
+
+def test_parameters_counted_on_meta_equal_a_real_drafter(tiny_targets):
+    job = plan.compose(["target=tiny_qwen3", "drafter=tiny", "train.mixed_precision=no"])
+    _, shape, setup = plan.build(job)
+    real = build_drafter(job["drafter"], job["layers"], tiny_targets["tiny_qwen3"])
+    assert shape.params == sum(p.numel() for p in real.parameters()) > 0
+    assert plan.drafter_shape(real, shape.vocab) == replace(shape, tied=False)
+    assert setup.compute == 4 and setup.frozen == 4  # the tiny target is float32
+
+
+def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, n_target, chunk,
+                  layer_types=None, checkpointing=False, autocast=False, grad_accum=1):
+    """(peak tensor bytes of a second training step on CPU, its Shape and Setup): draft_packed, block_loss,
+    backward, clipping and the AdamW step of the real code, anchors spread evenly over the sequence."""
+    torch.manual_seed(0)
+    target = Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=inter, num_hidden_layers=8,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
+    config = drafter_config(target, num_layers=layers, block_size=block, target_layer_ids=list(range(n_target)),
+                            mask_token_id=vocab - 1, layer_types=layer_types,
+                            sliding_window=L // 2 if layer_types else None)
+    drafter = DFlashDraftModel(config).float().train()
+    if checkpointing:  # as loop.py turns it on (transformers 5.x renamed the method)
+        (getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable)()
+    frozen = torch.bfloat16 if autocast else torch.float32
+    embed = torch.nn.Embedding(vocab, H).to(frozen).requires_grad_(False)
+    head = torch.nn.Linear(H, vocab, bias=False).to(frozen).requires_grad_(False)
+    optimizer = build_optimizer(drafter, OptimConfig())
+    ids = torch.randint(0, vocab - 1, (1, L))
+    anchors = torch.linspace(0, L - 2, N).round().long()
+    blocks = pack_blocks(ids, torch.ones(1, L, dtype=torch.bool), torch.tensor([L]), [anchors], block, vocab - 1)
+    features = torch.randn(1, L, n_target * H)
+
+    def step():
+        for _ in range(grad_accum):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                hidden = draft_packed(drafter, embed, features, blocks, "sdpa")
+                loss_sum, weight, _ = block_loss(hidden, head.weight, blocks.labels, blocks.label_mask, 7.0, chunk)
+            (loss_sum / weight).backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the first step makes AdamW's state
+    with TensorPeak() as mem:
+        mem.track(*drafter.parameters(), *drafter.buffers(), embed.weight, head.weight, features, ids,
+                  *[v for state in optimizer.state.values() for v in state.values()],
+                  *[v for v in vars(blocks).values() if torch.is_tensor(v)])
+        step()
+    setup = plan.Setup(ctx_len=L, num_anchors=N, grad_accum=grad_accum, compute=2 if autocast else 4,
+                       frozen=2 if autocast else 4,
+                       backend="sdpa", checkpointing=checkpointing, chunk_logits=chunk, foreach=False,
+                       allowance=0, fragmentation=0)
+    return mem.peak, plan.drafter_shape(drafter, vocab), setup
+
+
+SHAPES = {  # three float32 shapes: unchunked and chunked loss, one to three chunks of blocks, a sliding layer
+    "small": {"H": 64, "L": 256, "N": 32, "heads": 4, "kv": 2, "head_dim": 16, "inter": 128, "layers": 2, "block": 8,
+              "vocab": 512, "n_target": 3, "chunk": 0},
+    "wider": {"H": 96, "L": 384, "N": 64, "heads": 6, "kv": 2, "head_dim": 16, "inter": 192, "layers": 2, "block": 8,
+              "vocab": 1024, "n_target": 5, "chunk": 64 * 1024},
+    "longer": {"H": 128, "L": 512, "N": 40, "heads": 4, "kv": 2, "head_dim": 32, "inter": 320, "layers": 3,
+               "block": 16, "vocab": 768, "n_target": 2, "chunk": 16 * 768,
+               "layer_types": ["sliding_attention", "full_attention", "full_attention"]},
+}
+CASES = {**{name: (name, {}) for name in SHAPES},
+         "wider, gradient checkpointing": ("wider", {"checkpointing": True}),
+         "small, bf16 autocast": ("small", {"autocast": True}),
+         "longer, 2 micro-batches": ("longer", {"grad_accum": 2})}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_the_measured_peak_on_cpu(case):
+    shape_name, extra = CASES[case]
+    measured, shape, setup = measured_step(**SHAPES[shape_name], **extra)
+    estimate, phase = plan.peak(shape, setup)
+    print(f"{case}: measured {measured / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB ({phase}), "
+          f"ratio {estimate / measured:.3f}")
+    assert abs(estimate / measured - 1) < 0.15
