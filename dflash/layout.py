@@ -4,7 +4,9 @@
       config.yaml  run.json  metrics.jsonl  train.log  wandb/
       checkpoints/best.json
       checkpoints/step-020000/         CheckpointLayout: config.json + model.safetensors (z-lab)
-        train_state/                   optimizer.pt scheduler.pt rng.pt state.json manifest.json
+        train_state/                   state.json weights_fp32.safetensors manifest.json (dflash's)
+                                       optimizer.bin scheduler.bin random_states_<rank>.pkl
+                                       [pytorch_model_fsdp.bin under FSDP] (accelerate's save_state)
       eval/step-020000/                summary.json blocks.jsonl *.png
     cache/<target>/<data>/features/    CacheLayout: manifest.json, shard-00000.safetensors + .json
     cache/<target>/eval-.../           the held-out set (completions.jsonl, features-L.../)
@@ -35,10 +37,23 @@ class CheckpointLayout:
     """What a drafter needs to load (in any z-lab-layout folder, published drafters included)."""
     SERVING_FILES = ("modeling_dflash.py",)
     """What dflash adds so AutoModel(trust_remote_code=True) builds the drafter (auto_map in config.json)."""
-    STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+    STATE_FILES = ("state.json", "weights_fp32.safetensors")
+    """dflash's own train_state/ files: the loop state (step, best tau, world size, format) and EXACT_WEIGHTS."""
     EXACT_WEIGHTS = "weights_fp32.safetensors"
-    """train_state/ copy of the float32 weights that resuming continues from (model.safetensors may be
-    bf16); checkpoints written before it existed resume from model.safetensors."""
+    """train_state/ copy of the float32 weights that resuming continues from (model.safetensors may be bf16)."""
+    ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin")
+    """accelerate's save_state, from the main process: the optimizer state (under FSDP gathered whole, so it
+    loads on any number of processes) and the LR schedule. The names are accelerate's."""
+    FSDP_FILES = ("pytorch_model_fsdp.bin",)
+    """accelerate's save_state under FSDP: the gathered float32 model, which load_state hands back to the shards."""
+    FORMAT1_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+    """train_state/ of checkpoints written before accelerate's save_state (train_state_format 1): the main
+    process's optimizer state and RNG only. They still resume under DDP."""
+
+    @staticmethod
+    def rng_file(rank: int) -> str:
+        """accelerate's save_state: process `rank`'s RNG states (python, numpy, torch, CUDA)."""
+        return f"random_states_{rank}.pkl"
 
     @property
     def config(self) -> Path:
@@ -64,11 +79,17 @@ class CheckpointLayout:
         """The manifest of the features this drafter was trained on."""
         return self.train_state / "manifest.json"
 
-    def files(self, with_manifest: bool = True) -> set[str]:
-        """Every file a complete dflash checkpoint holds, relative to its folder."""
-        names = {*self.DRAFTER_FILES, *self.SERVING_FILES,
-                 *(f"train_state/{f}" for f in (*self.STATE_FILES, self.EXACT_WEIGHTS))}
+    def files(self, with_manifest: bool = True, world_size: int = 1, fsdp: bool = False) -> set[str]:
+        """Every file a complete dflash checkpoint holds, relative to its folder, as written by `world_size`
+        processes under DDP or (fsdp) FSDP."""
+        state = (*self.STATE_FILES, *self.ACCELERATE_FILES, *(self.FSDP_FILES if fsdp else ()),
+                 *(self.rng_file(rank) for rank in range(world_size)))
+        names = {*self.DRAFTER_FILES, *self.SERVING_FILES, *(f"train_state/{f}" for f in state)}
         return names | ({"train_state/manifest.json"} if with_manifest else set())
+
+    def format1_files(self) -> set[str]:
+        """What resuming needs of a checkpoint in the first train_state/ layout (FORMAT1_FILES)."""
+        return {*self.DRAFTER_FILES, *(f"train_state/{f}" for f in self.FORMAT1_FILES)}
 
 
 @dataclass(frozen=True)

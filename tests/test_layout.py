@@ -29,10 +29,23 @@ def test_checkpoint_paths_and_files():
     assert ckpt.train_state == Path("/c/step-000020/train_state")
     assert ckpt.state == ckpt.state_file("state.json") == Path("/c/step-000020/train_state/state.json")
     assert ckpt.manifest == Path("/c/step-000020/train_state/manifest.json")
-    assert ckpt.files() == {"config.json", "model.safetensors", "modeling_dflash.py", "train_state/optimizer.pt",
-                            "train_state/scheduler.pt", "train_state/rng.pt", "train_state/state.json",
-                            "train_state/manifest.json", "train_state/weights_fp32.safetensors"}
+    assert ckpt.files() == {"config.json", "model.safetensors", "modeling_dflash.py", "train_state/state.json",
+                            "train_state/weights_fp32.safetensors", "train_state/manifest.json",
+                            "train_state/optimizer.bin", "train_state/scheduler.bin", "train_state/random_states_0.pkl"}
     assert ckpt.files(with_manifest=False) == ckpt.files() - {"train_state/manifest.json"}
+    # one RNG file per process; under FSDP also accelerate's gathered model
+    assert ckpt.files(world_size=2, fsdp=True) - ckpt.files() == {"train_state/random_states_1.pkl",
+                                                                  "train_state/pytorch_model_fsdp.bin"}
+    assert ckpt.format1_files() == {"config.json", "model.safetensors", "train_state/optimizer.pt",
+                                    "train_state/scheduler.pt", "train_state/rng.pt", "train_state/state.json"}
+
+
+def test_train_state_names_are_the_ones_accelerate_writes():
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SCHEDULER_NAME
+
+    assert CheckpointLayout.ACCELERATE_FILES == (f"{OPTIMIZER_NAME}.bin", f"{SCHEDULER_NAME}.bin")
+    assert CheckpointLayout.FSDP_FILES == (f"{FSDP_MODEL_NAME}.bin",)
+    assert CheckpointLayout.rng_file(3) == f"{RNG_STATE_NAME}_3.pkl"
 
 
 def test_list_checkpoints_finds_step_folders_only_oldest_first(tmp_path):

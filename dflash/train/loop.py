@@ -26,7 +26,7 @@ from dflash.drafter.blocks import draft_packed
 from dflash.drafter.build import build_drafter, load_drafter
 from dflash.drafter.loss import block_loss
 from dflash.drafter.model import flex_compile_count
-from dflash.errors import ConfigError, TrainingError
+from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
 from dflash.layout import RunLayout
@@ -34,6 +34,7 @@ from dflash.provenance import check_provenance
 from dflash.target.features import target_forward
 from dflash.tracking import RunLogger, config_dict, default_run_name, record_run, setup_logging
 from dflash.train import checkpoints as ckpt
+from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
 from dflash.train.batches import MicroBatches, Schedule, add_noise
 from dflash.train.optim import build_optimizer, build_scheduler
 from dflash.train.sources import keep_heads_only, training_source, training_target
@@ -54,7 +55,8 @@ class TrainState:
 
 @dataclass
 class Model:
-    """The drafter and what updates it. `model` is what the forward calls (DDP/compiled wrapper)."""
+    """The drafter and what updates it. `model` is what the forward calls (DDP/FSDP/compiled wrapper; under
+    FSDP `drafter` is the same module, its parameters sharded)."""
 
     drafter: torch.nn.Module
     model: torch.nn.Module
@@ -73,6 +75,10 @@ def train(job: JobConfig) -> Path:
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
     setup_logging(run.log if acc.is_main_process else None, acc.is_main_process)
+    resume_from = ckpt.resolve_checkpoint(run, job.train.resume) if job.train.resume else None
+    resumed = ckpt.load_train_state(resume_from) if resume_from else None
+    if resumed:  # before any data work: a checkpoint this run cannot continue stops here
+        ckpt.check_resumable(resume_from, resumed["state"], "fsdp" if is_fsdp(acc) else "ddp", acc.num_processes)
 
     # data: the training source and the held-out set (the full target only while extracting)
     target, layer_ids = training_target(job, acc.device)
@@ -87,8 +93,6 @@ def train(job: JobConfig) -> Path:
         keep_heads_only(target)
 
     # the drafter, fresh or resumed
-    resume_from = ckpt.resolve_checkpoint(run, job.train.resume) if job.train.resume else None
-    resumed = ckpt.load_train_state(resume_from) if resume_from else None
     if resumed and resumed["manifest"] is not None:
         check_provenance(resumed["manifest"], manifest, job.provenance.allow_mismatch,
                          expected_name=f"checkpoint {resume_from.name}", actual_name="the training features")
@@ -119,7 +123,7 @@ def train(job: JobConfig) -> Path:
                    disable=not acc.is_main_process or None)
         last_line = time.time()
         if job.eval.at_start and state.step == 0:
-            evals["untrained (step 0)"] = evaluate(job, acc, drafter, target, heldout_set, run, logger, 0, backend)
+            evals["untrained (step 0)"] = evaluate(job, acc, m, target, heldout_set, run, logger, 0, backend)
         state.window_start = time.time()
         while state.step < total:
             micro = [next(batches, None) for _ in range(job.train.grad_accum)]
@@ -140,7 +144,7 @@ def train(job: JobConfig) -> Path:
             if eval_now or step % job.train.save_every == 0:
                 if state.window:
                     log_window(acc, logger, m, state, schedule.steps_per_epoch)
-                summary = evaluate(job, acc, drafter, target, heldout_set, run, logger, step, backend) \
+                summary = evaluate(job, acc, m, target, heldout_set, run, logger, step, backend) \
                     if eval_now else None
                 if summary is not None:
                     evals[f"step {step}"] = summary
@@ -155,17 +159,6 @@ def train(job: JobConfig) -> Path:
         print_summary(evals)
         print(f"run folder: {run.path}")
     return run.path
-
-
-def make_accelerator(job: JobConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    cuda = torch.cuda.is_available()
-    precision = job.train.mixed_precision
-    precision = ("bf16" if cuda else "no") if precision == "auto" else precision
-    plugin = FullyShardedDataParallelPlugin() if job.train.distributed == "fsdp" else None
-    return Accelerator(mixed_precision=precision, fsdp_plugin=plugin, cpu=not cuda)
 
 
 def attention_backend(job: JobConfig, device: torch.device) -> str:
@@ -201,22 +194,34 @@ def open_run(job: JobConfig, acc) -> RunLayout:
 
 
 def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None, state: TrainState) -> Model:
-    """Optimizer and schedule (restored when resuming), checkpointing, compile, accelerate wrappers."""
+    """Optimizer and schedule, checkpointing, compile, accelerate wrappers; when resuming, the optimizer,
+    schedule and every process's RNG come back through accelerate's load_state (after prepare: under FSDP
+    the optimizer state is loaded into the shards)."""
     optimizer = build_optimizer(drafter, job.optim)
     scheduler = build_scheduler(optimizer, total, job.optim)
-    if resumed:
+    format1 = bool(resumed) and ckpt.train_state_format(resumed["state"]) == 1
+    if format1:  # the main process's state, as written before save_state: the same on every DDP process
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
+    if resumed:
         state.step, state.best_tau = resumed["state"]["step"], resumed["state"].get("best_tau")
-        if resumed["state"].get("world_size") != acc.num_processes:
-            log.warning("resuming a %s-process run on %d processes: the data order changes from here on",
-                        resumed["state"].get("world_size"), acc.num_processes)
     if job.train.gradient_checkpointing:  # transformers 5.x renames the method; both reach the drafter's flag
         (getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable)()
     model = torch.compile(drafter) if job.train.compile else drafter
-    model, optimizer = acc.prepare(model, optimizer)
-    if resumed:
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    # train_state/weights_fp32.safetensors is the float32 copy of the weights (loaded before prepare), so
+    # under DDP save_state writes no second one and load_state reads none; FSDP's gathered copy stays (its
+    # load_state puts the weights into the shards)
+    acc.register_save_state_pre_hook(lambda models, weights, folder: weights.clear())
+    acc.register_load_state_pre_hook(lambda models, folder: models.clear())
+    if format1:
         _restore_rng(resumed["rng"])
+    elif resumed:
+        try:
+            acc.load_state(str(resumed["train_state"]))
+        except Exception as e:
+            raise CheckpointError(f"cannot read the training state in {resumed['train_state']} ({e}); it is "
+                                  f"corrupt. Resume from another checkpoint") from e
     return Model(drafter, model, optimizer, scheduler)
 
 
@@ -296,35 +301,41 @@ def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_ep
     return out
 
 
-def evaluate(job: JobConfig, acc, drafter, target, heldout_set, run: RunLayout, logger: RunLogger, step: int,
+def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout, logger: RunLogger, step: int,
              backend: str) -> dict | None:
-    """Held-out teacher-forced eval of the current drafter on the main process (the others wait);
-    the summary there, None elsewhere."""
+    """Held-out teacher-forced eval of the current drafter, on full parameters, on the main process (the others
+    wait); the summary there, None elsewhere."""
+    drafter = full_drafter(acc, m)
     summary = None
     if acc.is_main_process and heldout_set is not None:
         from dflash.evaluate.runner import evaluate_in_run
 
         summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
+    del drafter
     acc.wait_for_everyone()
     return summary
 
 
 def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manifest: dict, total: int,
          summary: dict | None, logger: RunLogger) -> None:
-    """Checkpoint `state.step` (main process writes, atomically); best.json follows the held-out tau."""
+    """Checkpoint `state.step`. Every process takes part: gathering the weights (FSDP) and writing its share of
+    accelerate's save_state (optimizer, scheduler, its RNG) into the temp folder; the main process writes the
+    rest, renames atomically, and keeps best.json and keep_last."""
     step = state.step
-    # the z-lab names: without DDP/FSDP wrappers (get_state_dict) and torch.compile's prefix
-    state_dict = {k.replace("_orig_mod.", ""): v for k, v in acc.get_state_dict(m.model).items()}
+    weights = full_state_dict(acc, m)
+    loop_state = None
     if acc.is_main_process:
         tau = summary["metrics"]["eval/tau"] if summary else None
         if tau is not None and (state.best_tau is None or tau > state.best_tau):
             state.best_tau = tau
-        loop_state = {"step": step, "total_steps": total, "best_tau": state.best_tau,
-                      "world_size": acc.num_processes, "seed": job.train.seed,
+        loop_state = {"step": step, "total_steps": total, "best_tau": state.best_tau, "world_size": acc.num_processes,
+                      "distributed": "fsdp" if is_fsdp(acc) else "ddp", "seed": job.train.seed,
                       "global_batch": job.train.batch_size * acc.num_processes * job.train.grad_accum}
-        path = ckpt.save_checkpoint(run, step, m.drafter, {k: v.cpu() for k, v in state_dict.items()},
-                                    m.optimizer.state_dict(), m.scheduler.state_dict(), _rng_state(), loop_state,
-                                    manifest, job.train.save_dtype)
+    dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
+    weights = {k: v.cpu() for k, v in weights.items()} if acc.is_main_process else {}
+    path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, job.train.save_dtype,
+                                save_state=lambda folder: acc.save_state(str(folder)), dist=dist)
+    if acc.is_main_process:
         best = tau is not None and tau == state.best_tau
         if best:
             ckpt.mark_best(run, step, tau)
@@ -335,15 +346,11 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
 
 
 def _restore_rng(rng: dict) -> None:
+    """The RNG of a format-1 checkpoint (the main process's, restored on every process, as it was then)."""
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if torch.cuda.is_available() and rng.get("cuda"):
         torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

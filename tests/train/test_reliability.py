@@ -124,9 +124,14 @@ def test_checkpoint_missing_a_file_is_named(finished_run):
     tmp, run = finished_run
     broken = tmp / "runs" / "broken"
     shutil.copytree(run, broken)
-    (broken / "checkpoints/step-000002/train_state/optimizer.pt").unlink()
-    with pytest.raises(CheckpointError, match="missing train_state/optimizer.pt"):
+    (broken / "checkpoints/step-000002/train_state/optimizer.bin").unlink()
+    with pytest.raises(CheckpointError, match="missing train_state/optimizer.bin"):
         train(job(tmp, "run.name=broken", "train.max_steps=4", "train.resume=latest"))
+    # a checkpoint of 2 processes needs both processes' RNG states
+    state = broken / "checkpoints/step-000001/train_state/state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    with pytest.raises(CheckpointError, match="missing train_state/random_states_1.pkl"):
+        ckpt.check_complete(state.parent.parent, need_state=True)
     (broken / "checkpoints/step-000001/model.safetensors").unlink()
     from dflash.evaluate.runner import evaluate
 
@@ -144,6 +149,63 @@ def test_each_provenance_field_is_guarded(field):
         check_provenance(base, other)
 
 
+# -- checkpoints of earlier layouts ---------------------------------------------------------------------
+
+def to_format1(checkpoint: Path) -> None:
+    """Rewrite train_state/ as dflash wrote it before accelerate's save_state: optimizer.pt, scheduler.pt and
+    rng.pt, the main process's (the same content: the optimizer and schedule states, torch's and python's RNG)."""
+    from accelerate.utils import load
+
+    state = checkpoint / "train_state"
+    for name in ("optimizer", "scheduler"):
+        torch.save(load(state / f"{name}.bin"), state / f"{name}.pt")
+        (state / f"{name}.bin").unlink()
+    rng = load(state / "random_states_0.pkl")
+    torch.save({"torch": rng["torch_manual_seed"], "python": rng["random_state"], "cuda": []}, state / "rng.pt")
+    (state / "random_states_0.pkl").unlink()
+    loop_state = json.loads((state / "state.json").read_text())
+    del loop_state["train_state_format"], loop_state["distributed"]
+    (state / "state.json").write_text(json.dumps(loop_state))
+
+
+def test_first_layout_checkpoints_still_resume(finished_run):
+    import shutil
+
+    tmp, run = finished_run
+    old = tmp / "runs" / "format1"
+    shutil.copytree(run, old)
+    shutil.rmtree(old / "checkpoints/step-000002")
+    to_format1(old / "checkpoints/step-000001")
+    train(job(tmp, "run.name=format1", "train.max_steps=2", "train.save_every=1", "train.keep_last=5",
+              "train.resume=latest"))
+    a, b = (load_file(r / "checkpoints/step-000002/train_state/weights_fp32.safetensors") for r in (run, old))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((old / "checkpoints/step-000002/train_state/state.json").read_text())["train_state_format"] == 2
+
+
+def test_what_a_checkpoint_cannot_resume_is_refused(finished_run, tmp_path):
+    import shutil
+
+    from dflash.errors import ConfigError
+
+    first = {"step": 1, "world_size": 2}  # format 1: no train_state_format, no distributed
+    with pytest.raises(ConfigError, match="first train_state/ layout .* resume it with train.distributed=ddp"):
+        ckpt.check_resumable(Path("step-000001"), first, "fsdp", 2)
+    ckpt.check_resumable(Path("step-000001"), first, "ddp", 2)  # under DDP it resumes
+    for written, now in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        state = {**first, "train_state_format": 2, "distributed": written}
+        with pytest.raises(ConfigError, match=f"written under train.distributed={written} .* with "
+                                              f"train.distributed={written}"):
+            ckpt.check_resumable(Path("step-000001"), state, now, 2)
+    src, run = finished_run
+    newer = tmp_path / "newer"
+    shutil.copytree(run / "checkpoints/step-000002", newer)
+    state = newer / "train_state/state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "train_state_format": 3}))
+    with pytest.raises(CheckpointError, match="train_state_format 3, written by a newer dflash"):
+        ckpt.load_train_state(newer)
+
+
 # -- safety -------------------------------------------------------------------------------------------
 
 class _Evil:
@@ -151,17 +213,20 @@ class _Evil:
         return (os.system, ("touch pwned",))
 
 
-def test_training_state_is_never_unpickled(finished_run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("poisoned", ["optimizer.bin", "scheduler.bin", "random_states_0.pkl", "optimizer.pt"])
+def test_training_state_is_never_unpickled(finished_run, tmp_path, monkeypatch, poisoned):
     import shutil
 
     src, run = finished_run
-    bad = tmp_path / "bad"
-    shutil.copytree(run / "checkpoints/step-000002", bad)
-    with (bad / "train_state" / "optimizer.pt").open("wb") as f:
+    bad = src / "runs" / f"bad-{poisoned}"
+    shutil.copytree(run, bad)
+    if poisoned.endswith(".pt"):
+        to_format1(bad / "checkpoints/step-000002")
+    with (bad / "checkpoints/step-000002/train_state" / poisoned).open("wb") as f:
         pickle.dump({"state": _Evil()}, f)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="corrupt"):
-        ckpt.load_train_state(bad)
+        train(job(src, f"run.name={bad.name}", "train.max_steps=3", "train.resume=latest"))
     assert not (tmp_path / "pwned").exists()
 
 
