@@ -73,7 +73,7 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the drafter."""
     distributed: str = "ddp"
-    """ddp, or fsdp for drafters too large to replicate."""
+    """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
     gradient_checkpointing: bool = False
     """Recompute drafter layer activations in backward to save memory."""
     num_workers: int = 1

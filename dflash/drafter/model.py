@@ -236,6 +236,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              f"the checkpoint is incomplete or from another drafter shape")
         return model
 
+    def get_input_embeddings(self) -> None:
+        """None: block tokens are embedded with the target's embed_tokens (transformers' default raises here,
+        and accelerate's FSDP2 asks for the input embeddings to shard them apart)."""
+        return None
+
     @property
     def layer_types(self) -> list[str]:
         return [layer.self_attn.layer_type for layer in self.layers]

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +125,9 @@ def ensure_built(cfg: TargetConfig) -> None:
     dest = Path(cfg.path).expanduser()
     if cfg.build is None or (dest / "config.json").exists():
         return
+    if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
+        _wait_for_build(dest)
+        return
     from dflash.target.builtin import build as build_builtin
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +138,25 @@ def ensure_built(cfg: TargetConfig) -> None:
         tmp.rename(dest)
     except OSError:  # another process finished first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _distributed_rank() -> int:
+    import torch.distributed as td
+
+    return td.get_rank() if td.is_available() and td.is_initialized() else 0
+
+
+BUILD_WAIT_S = 1800
+
+
+def _wait_for_build(dest: Path) -> None:
+    deadline = time.time() + BUILD_WAIT_S
+    while not (dest / "config.json").exists():
+        if time.time() > deadline:
+            raise NotFoundError(f"waited {BUILD_WAIT_S} s for process 0 to build the target into {dest}; check "
+                                f"its log, or build it once before launching (one process: python train.py "
+                                f"train.max_steps=1 with the same target)")
+        time.sleep(1)
 
 
 def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_only: bool = False) -> Target:

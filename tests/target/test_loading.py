@@ -150,3 +150,25 @@ def test_builtin_target_under_home_is_built_once(tmp_path, monkeypatch):
     ensure_built(cfg)
     ensure_built(cfg)
     assert calls == ["tiny_qwen3"] and (tmp_path / ".cache/dflash/targets/tiny_qwen3/config.json").exists()
+
+
+def test_other_processes_wait_for_process_0_to_build_a_builtin_target(tmp_path, monkeypatch):
+    """transformers' save_pretrained writes on rank 0 only: a rank-1 build used to rename a folder holding
+    just the tokenizer into place. Other ranks now build nothing and wait for rank 0's folder."""
+    import threading
+
+    from dflash.config import TargetConfig
+    from dflash.errors import NotFoundError
+    from dflash.target import loading
+
+    cfg = TargetConfig(name="tiny_qwen3", path=str(tmp_path / "tiny"), build="tiny_qwen3", mask_token_id=261)
+    monkeypatch.setattr(loading, "_distributed_rank", lambda: 1)
+    monkeypatch.setattr(loading, "BUILD_WAIT_S", 1)
+    with pytest.raises(NotFoundError, match="process 0 to build the target"):
+        loading.ensure_built(cfg)
+    assert list(tmp_path.iterdir()) == []  # built nothing itself
+    monkeypatch.setattr(loading, "BUILD_WAIT_S", 30)
+    rank0 = threading.Timer(0.5, lambda: (tmp_path / "tiny").mkdir() or (tmp_path / "tiny/config.json").write_text("{}"))
+    rank0.start()
+    loading.ensure_built(cfg)
+    assert (tmp_path / "tiny/config.json").exists()

@@ -94,9 +94,9 @@ def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
     seen = {}
     real_draft, real_loss = training.draft_packed, training.block_loss
 
-    def spy_draft(drafter, embed, features, blocks, backend, model=None):
+    def spy_draft(drafter, embed, features, blocks, backend, **kwargs):
         seen.setdefault("features", []).append(features.clone())
-        return real_draft(drafter, embed, features, blocks, backend, model=model)
+        return real_draft(drafter, embed, features, blocks, backend, **kwargs)
 
     def spy_loss(hidden, weight, labels, mask, gamma, chunk):
         seen.setdefault("labels", []).append(labels.clone())
