@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def short_default_run(tmp, name):
     return train(compose("train", [
-        "data.limit=160", "data.completions.max_new_tokens=64", "train.epochs=5", "logger=none",
+        "data.limit=128", "data.completions.max_new_tokens=64", "train.epochs=5", "logger=none",
         "eval.prompts=toy:stdlib_eval", "eval.max_prompts=4",
         "eval.max_new_tokens=128", "eval.ddtree_budgets=[8]", "train.num_workers=0",
         "train.save_every=100000", f"features.dir={tmp}/cache/toy/features", f"run.root={tmp}/runs",
