@@ -93,13 +93,15 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from dflash.train.accel import fsdp_plugin
 
 acc = Accelerator(fsdp_plugin=fsdp_plugin(), cpu=True)
-print("accelerate:", acc.distributed_type)
+lines = [f"accelerate: {acc.distributed_type}"]
 try:
     FullyShardedDataParallel(torch.nn.Linear(4, 4))
 except RuntimeError as e:
-    print("fsdp1:", e)
+    lines.append(f"fsdp1: {e}")
 layer = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (acc.num_processes,)))
-print("fsdp2:", type(layer.weight).__name__, tuple(layer.weight.to_local().shape))
+lines.append(f"fsdp2: {type(layer.weight).__name__} {tuple(layer.weight.to_local().shape)}")
+with open(f"facts-{acc.process_index}.txt", "w") as f:  # one file a process: their stdout interleaves
+    f.write("\\n".join(lines))
 """
 
 FSDP_ON_CPU = """
@@ -144,11 +146,12 @@ def test_fsdp_on_a_cpu_facts(tmp_path):
     """accelerate 1.15 drops the FSDP plugin on a CPU (MULTI_CPU: DDP), torch's FSDP1 refuses a CPU, FSDP2
     shards on gloo: hence the refusal below, and FSDP_ON_CPU for testing the FSDP path here."""
     (tmp_path / "facts.py").write_text(FACTS)
-    out = launch(tmp_path, 2, script=tmp_path / "facts.py", common=[])
-    out = out.stdout + out.stderr
-    assert out.count("accelerate: DistributedType.MULTI_CPU") == 2
-    assert "fsdp1: FSDP needs a non-CPU accelerator device" in out
-    assert out.count("fsdp2: DTensor (2, 4)") == 2
+    launch(tmp_path, 2, script=tmp_path / "facts.py", common=[])
+    for rank in (0, 1):
+        lines = (tmp_path / f"facts-{rank}.txt").read_text().splitlines()
+        assert lines[0] == "accelerate: DistributedType.MULTI_CPU"
+        assert lines[1].startswith("fsdp1: FSDP needs a non-CPU accelerator device")
+        assert lines[2] == "fsdp2: DTensor (2, 4)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
