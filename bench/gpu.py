@@ -18,13 +18,14 @@ import time
 import torch
 
 from bench.measure import timed
+from bench.plan import TARGETS
 from dflash.drafter.blocks import draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.loss import block_loss
 from dflash.drafter.model import DFlashDraftModel, drafter_config
 
-# Qwen3-8B (the target) and a small stand-in of the same shape for CPU smoke runs
-QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+# Qwen3-8B (the target, as the memory plan holds its published config) and a small stand-in of the same
+# shape for CPU smoke runs
+QWEN3_8B = TARGETS["qwen3_8b"][1]
 SMALL = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 BLOCK, GAMMA, CHUNK_LOGITS = 16, 7.0, 2**27  # the recipe: B=16, gamma 7, loss.chunk_logits default
