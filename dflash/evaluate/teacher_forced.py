@@ -83,6 +83,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         row = {f"acc@{k}": float(c) for k, c in enumerate(correct[n].tolist(), 1)}
         row["streak"] = float(streak[n])
         row["tau"] = streak[n] + 1.0
+        row["full"] = float(streak[n] == block_size - 1)  # every drafted token accepted (tau = B)
         for b in budgets:
             row[f"ddtree@{b}"] = float(ddtree_tau(r["topk_ids"], r["topk_logprobs"], r["target_tokens"], b))
         stats.append(row)
