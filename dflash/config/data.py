@@ -72,6 +72,8 @@ class DataConfig:
     """Wrap prompts with the tokenizer's chat template."""
     enable_thinking: bool = False
     """Passed to the chat template (Qwen3 thinking mode)."""
+    eval_prompts: str = "builtin:eval_coding"
+    """The held-out prompts that go with this data (eval.prompts defaults to them); never among data.prompts."""
     completions: CompletionsConfig = field(default_factory=CompletionsConfig)
 
     def __post_init__(self) -> None:

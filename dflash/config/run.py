@@ -99,7 +99,8 @@ class EvalConfig:
     """Held-out evaluation, in-run and from evaluate.py."""
 
     prompts: str = "builtin:eval_coding"
-    """Held-out prompts (same formats as data.prompts); builtin:eval_coding = the ten shipped coding tasks."""
+    """Held-out prompts (same formats as data.prompts); conf/eval sets them to data.eval_prompts (the toy data:
+    toy:stdlib_eval, else builtin:eval_coding = the ten shipped coding tasks)."""
     completions_path: str | None = None
     """Cached held-out completions (JSONL); null = generated greedily by the target, stored next to the features."""
     features_dir: str | None = None
