@@ -35,6 +35,20 @@ def tiny_qwen3_5_config(vocab_size: int):
     )
 
 
+def is_current(name: str, dest: Path) -> bool:
+    """Whether the built-in target installed in `dest` is the one this dflash would build: False for a
+    toy target installed from an earlier shipped build (its toy_info.json differs from the shipped one)."""
+    if not (dest / "config.json").exists():
+        return False
+    if name != "toy":
+        return True
+    from dflash.target.toy import SHIPPED
+
+    shipped = SHIPPED / "toy_info.json"
+    return not shipped.exists() or (
+        (dest / "toy_info.json").exists() and (dest / "toy_info.json").read_bytes() == shipped.read_bytes())
+
+
 def build(name: str, dest: Path) -> None:
     """Write target `name` (tiny_qwen3, tiny_qwen3_5, toy) into the empty directory `dest`."""
     if name == "toy":

@@ -121,23 +121,38 @@ def _find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
 
 
 def ensure_built(cfg: TargetConfig) -> None:
-    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine)."""
+    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine).
+    A toy target installed by an earlier dflash, whose shipped toy target has changed since, is replaced."""
+    from dflash.target.builtin import build as build_builtin
+    from dflash.target.builtin import is_current
+
     dest = Path(cfg.path).expanduser()
-    if cfg.build is None or (dest / "config.json").exists():
+    if cfg.build is None or is_current(cfg.build, dest):
         return
     if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
-        _wait_for_build(dest)
+        _wait_for_build(dest, cfg.build)
         return
-    from dflash.target.builtin import build as build_builtin
-
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    log.info("building target %s into %s", cfg.build, dest)
+    if (dest / "config.json").exists():
+        log.warning("%s holds an earlier build of target %s than this dflash ships; replacing it (feature "
+                    "caches are keyed by the target, so none made with the old one is reused)", dest, cfg.build)
+    else:
+        log.info("building target %s into %s", cfg.build, dest)
     build_builtin(cfg.build, tmp)
+    aside = None
+    if dest.exists():  # the earlier build: set aside, then removed once the new one is in place
+        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+        try:
+            dest.rename(aside / dest.name)
+        except OSError:  # another process moved it first
+            pass
     try:
         tmp.rename(dest)
     except OSError:  # another process finished first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _distributed_rank() -> int:
@@ -149,9 +164,11 @@ def _distributed_rank() -> int:
 BUILD_WAIT_S = 1800
 
 
-def _wait_for_build(dest: Path) -> None:
+def _wait_for_build(dest: Path, name: str) -> None:
+    from dflash.target.builtin import is_current
+
     deadline = time.time() + BUILD_WAIT_S
-    while not (dest / "config.json").exists():
+    while not is_current(name, dest):
         if time.time() > deadline:
             raise NotFoundError(f"waited {BUILD_WAIT_S} s for process 0 to build the target into {dest}; check "
                                 f"its log, or build it once before launching (one process: python train.py "

@@ -172,3 +172,26 @@ def test_other_processes_wait_for_process_0_to_build_a_builtin_target(tmp_path, 
     rank0.start()
     loading.ensure_built(cfg)
     assert (tmp_path / "tiny/config.json").exists()
+
+
+def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_path, caplog):
+    """A cache (~/.cache/dflash/targets/toy) filled by an earlier dflash must not keep serving the old toy target."""
+    import shutil
+
+    from dflash.config import TargetConfig
+    from dflash.target.loading import ensure_built
+    from dflash.target.toy import SHIPPED
+
+    dest = tmp_path / "toy"
+    shutil.copytree(SHIPPED, dest)
+    (dest / "toy_info.json").write_text('{"built": "an earlier build"}')
+    (dest / "leftover").write_text("from the old build")
+    cfg = TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5)
+    with caplog.at_level("WARNING"):
+        ensure_built(cfg)
+    assert (dest / "toy_info.json").read_bytes() == (SHIPPED / "toy_info.json").read_bytes()
+    assert not (dest / "leftover").exists() and "earlier build of target toy" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["toy"]  # nothing set aside is left behind
+    (dest / "mine").write_text("kept")
+    ensure_built(cfg)  # the current build is left alone
+    assert (dest / "mine").exists()
