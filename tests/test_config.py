@@ -49,6 +49,15 @@ def test_presets_hold_the_public_shapes():
     assert q35.drafter.resolved_layer_types() == ["full_attention"] * 5
 
 
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+def test_held_out_prompts_go_with_the_data_unless_given(entry):
+    assert compose(entry, []).eval.prompts == "toy:stdlib_eval"  # the toy default: in its target's domain
+    assert compose(entry, ["eval=live"]).eval.prompts == "toy:stdlib_eval"
+    assert compose(entry, ["experiment=qwen3_8b", "data.prompts=x.jsonl"]).eval.prompts == "builtin:eval_coding"
+    assert compose(entry, ["eval.prompts=/data/heldout.jsonl"]).eval.prompts == "/data/heldout.jsonl"
+    assert compose(entry, ["data=jsonl", "data.prompts=x.jsonl", "data.eval_prompts=y.jsonl"]).eval.prompts == "y.jsonl"
+
+
 def test_debug_tiny_is_the_tiny_and_fast_setup():
     job = compose("train", ["debug=tiny"])
     assert (job.target.name, job.data.name, job.drafter.num_layers, job.logger.backend) == (

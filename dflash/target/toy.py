@@ -1,26 +1,37 @@
 """The toy target: a small but real Qwen3.5 hybrid model (Gated DeltaNet + full attention)
-pretrained on CPU on the Python standard library's source, with a byte-level BPE tokenizer
-trained on the same text. Random-weight targets cannot show a drafter learning (their greedy
-output is noise or a loop); this one writes plausible Python, so its drafts are learnable.
+pretrained on CPU to complete Python functions from the standard library, with a byte-level BPE
+tokenizer trained on the same text. Random-weight targets cannot show a drafter learning (their
+greedy output is noise or a loop); this one writes plausible function bodies and ends its turn.
 
-    python -m dflash.target.toy build [--out DIR] [--steps N] [--seed S]    # about 7 minutes on 2 cores
+    python -m dflash.target.toy build [--out DIR] [--steps N] [--seed S] [--lr LR] [--init DIR]
+    python -m dflash.target.toy measure [--dir DIR] [--write]    # held-out loss + sample continuations
+
+A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
+trains an earlier build further. toy_info.json records how the shipped build was made (nested
+`init` records for each earlier stage), its held-out loss and greedy continuations of held-out
+function heads: how often they end their turn and how much they repeat themselves.
 
 The corpus is every machine's own stdlib (no network). Files are split by a hash of their
-relative path: `pretrain` (the model's training text), `validation` (its held-out loss) and
-`prompts` (the default run's training prompts, never seen in pretraining). Examples are
-chat-formatted: the user turn holds the first lines of a code chunk, the assistant continues it,
-so the default run exercises the chat template and end-of-turn tokens like a real target.
+relative path: `pretrain` (the model's training text, tests included), `validation` (its held-out
+loss and sample continuations) and `prompts` (the default run's training and held-out prompts,
+never seen in pretraining; library code only). Every example is one function, chat-formatted
+through the tokenizer's chat template: the user turn holds its signature and docstring (and
+sometimes a first line or two of the body), the assistant writes the rest and ends with
+<|im_end|>. So the default run exercises the chat template, the response-only loss mask and
+end-of-turn tokens as a real target does.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import logging
 import random
 import sys
 import sysconfig
+import textwrap
 import time
 from pathlib import Path
 
@@ -31,19 +42,22 @@ from dflash.io import write_json
 
 log = logging.getLogger(__name__)
 
-SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo", "ensurepip"}
+SKIP_DIRS = {"idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo", "ensurepip"}
+TEST_DIRS = {"test", "tests"}
 VOCAB_SIZE = 2048
-SEQ_LEN = 256
+SEQ_LEN = 512
+MAX_LINES, MAX_CHARS = 60, 2000
+EVAL_RESERVE = 64
 SHIPPED = Path(__file__).parents[1] / "assets" / "toy_target"
 
 
-def corpus_files(split: str) -> list[Path]:
-    """Stdlib sources of one split: pretrain (80%), validation (5%) or prompts (15%)."""
+def corpus_files(split: str, tests: bool = False) -> list[Path]:
+    """Stdlib sources of one split: pretrain (80%), validation (5%) or prompts (15%) of the files."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if SKIP_DIRS & set(rel.parts):
+        if SKIP_DIRS & set(rel.parts) or (not tests and TEST_DIRS & set(rel.parts)):
             continue
         bucket = int(hashlib.sha256(rel.as_posix().encode()).hexdigest(), 16) % 20
         name = "validation" if bucket == 0 else "prompts" if bucket <= 3 else "pretrain"
@@ -52,74 +66,111 @@ def corpus_files(split: str) -> list[Path]:
     return out
 
 
-def code_chunks(files: list[Path], lines_per_chunk: int = 24) -> list[str]:
-    """Non-trivial runs of consecutive lines (comments and docstrings included, as in the files)."""
-    chunks = []
+def functions(files: list[Path]) -> list[str]:
+    """Every function and method of `files` (dedented, decorators included) that has a body to write
+    after its docstring and is at most MAX_LINES lines / MAX_CHARS characters."""
+    out = []
     for f in files:
         try:
-            lines = f.read_text(encoding="utf-8").splitlines()
-        except (UnicodeDecodeError, OSError):
+            source = f.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError, OSError):
             continue
-        for s in range(0, len(lines), lines_per_chunk):
-            chunk = "\n".join(lines[s: s + lines_per_chunk]).strip("\n")
-            if len(chunk) > 200:
-                chunks.append(chunk)
-    return chunks
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            if node.end_lineno - start > MAX_LINES or len(node.body) < 1 + (ast.get_docstring(node) is not None):
+                continue
+            text = textwrap.dedent("\n".join(lines[start: node.end_lineno])).strip("\n")
+            if 80 <= len(text) <= MAX_CHARS and "\t" not in text and _parses(text):
+                out.append(text)
+    return out
 
 
-def split_chunk(chunk: str, rng: random.Random) -> tuple[str, str]:
-    """(prompt, continuation) at a line boundary in the first half."""
-    lines = chunk.splitlines()
-    cut = rng.randint(2, max(2, len(lines) // 2))
-    return "\n".join(lines[:cut]), "\n".join(lines[cut:])
+def _parses(text: str) -> bool:
+    """False for a function that no longer parses on its own (a docstring line left of the def, once dedented)."""
+    try:
+        ast.parse(text)
+    except SyntaxError:
+        return False
+    return True
 
 
-def chat_example(tokenizer, prompt: str, answer: str) -> str:
+def split_function(text: str, rng: random.Random) -> tuple[str, str]:
+    """(prompt, answer): the signature and docstring, plus 0-2 more lines while some body is left."""
+    node = ast.parse(text).body[0]
+    body = node.body
+    has_doc = ast.get_docstring(node) is not None
+    head = body[0].end_lineno if has_doc else body[0].lineno - 1  # lines of the signature (+ docstring)
+    lines = text.splitlines()
+    head = min(head + rng.randint(0, 2), len(lines) - 1)
+    return "\n".join(lines[:head]), "\n".join(lines[head:])
+
+
+def chat_example(tokenizer, prompt: str, answer: str) -> list[int]:
+    """Token ids of one chat example as the pipeline makes them: the chat-templated prompt tokenized on its
+    own, then the answer and <|im_end|> tokenized on their own, as the target generates them after it.
+    (Tokenizing the joined text would merge the template's closing newlines with the answer's indentation,
+    a token the model then never sees at generation time, where the prompt ends.)"""
     head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False)
-    return head + answer + "<|im_end|>\n"
-
-
-EVAL_RESERVE = 64
+    return (tokenizer(head, add_special_tokens=False)["input_ids"]
+            + tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"])
 
 
 def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]:
-    """Prompts from the stdlib files held out of pretraining: the first lines of code chunks.
+    """Prompts from the library functions held out of pretraining: a signature and docstring each.
 
-    `toy:stdlib` are training prompts; `toy:stdlib_eval` are the last EVAL_RESERVE chunks,
-    never among the training prompts, for an in-domain held-out evaluation.
+    `toy:stdlib` are training prompts; `toy:stdlib_eval` are EVAL_RESERVE more, never among the
+    training prompts, for an in-domain held-out evaluation.
     """
     if name not in ("stdlib", "stdlib_eval"):
         raise NotFoundError(f"no toy prompt set {name!r}; use toy:stdlib or toy:stdlib_eval")
     rng = random.Random(0)
-    chunks = code_chunks(corpus_files("prompts"))
-    rng.shuffle(chunks)
-    chunks = chunks[-EVAL_RESERVE:] if name == "stdlib_eval" else chunks[:-EVAL_RESERVE]
-    records = []
-    for i, chunk in enumerate(chunks[:limit]):
-        prompt, _ = split_chunk(chunk, rng)
-        records.append({"id": f"{name}-{i:05d}", "prompt": prompt})
-    return records
+    funcs = functions(corpus_files("prompts"))
+    rng.shuffle(funcs)
+    heads = [split_function(text, rng)[0] for text in funcs]
+    held_out = heads[-EVAL_RESERVE:]
+    if name == "stdlib_eval":
+        chosen = held_out
+    else:  # a head seen twice (`def __repr__(self):`) would be the same completion: once, and never a held-out one
+        chosen = list(dict.fromkeys(h for h in heads[:-EVAL_RESERVE] if h not in set(held_out)))
+    return [{"id": f"{name}-{i:05d}", "prompt": head} for i, head in enumerate(chosen[:limit])]
 
 
 def toy_config(vocab_size: int):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
-def pack_rows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
+def pack_rows(tokenizer, examples: list[list[int]], seq_len: int) -> torch.Tensor:
     """Concatenate tokenized examples (separated by <|endoftext|>) and cut into rows."""
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     stream: list[int] = []
-    for t in texts:
-        stream.extend(tokenizer(t, add_special_tokens=False)["input_ids"] + [eot])
+    for ids in examples:
+        stream.extend(ids + [eot])
     n = len(stream) // seq_len
     return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+
+
+def pretraining_rows(tokenizer, funcs: list[str], rows: int, seed: int) -> tuple[torch.Tensor, float]:
+    """`rows` rows of SEQ_LEN tokens from epochs over `funcs`, each shuffled and cut anew; and how many epochs."""
+    rng = random.Random(seed)
+    out, have = [], 0
+    while have < rows:
+        order = funcs[:]
+        rng.shuffle(order)
+        epoch = pack_rows(tokenizer, [chat_example(tokenizer, *split_function(f, rng)) for f in order], SEQ_LEN)
+        out.append(epoch)
+        have += epoch.shape[0]
+    return torch.cat(out)[:rows], rows / out[0].shape[0]
 
 
 @torch.no_grad()
@@ -134,58 +185,121 @@ def held_out_loss(model, rows: torch.Tensor, batch: int = 16) -> float:
     return total / max(count, 1)
 
 
-def build_toy_target(dest: Path, steps: int = 440, seed: int = 0, batch: int = 16, lr: float = 4e-3) -> dict:
-    """Tokenizer + pretraining + save_pretrained into `dest`; returns the build record."""
-    from transformers import Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
+def repeated_ngram_fraction(ids: list[int], n: int = 4) -> float:
+    """Share of the n-grams of `ids` that already occurred earlier in it: 0 for fresh text, near 1 for a loop."""
+    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+@torch.no_grad()
+def continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = 256) -> dict:
+    """Greedy chat completions of `prompts`: how often they end their turn, how much they repeat, samples."""
+    model.eval()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    samples, ended, repeated, lengths = [], 0, [], []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        ended += bool(new) and new[-1] == eos
+        repeated.append(repeated_ngram_fraction(new))
+        lengths.append(len(new))
+        samples.append({"prompt": prompt, "continuation": tokenizer.decode(new, skip_special_tokens=False)})
+    model.train()
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "ended_turn": round(ended / len(prompts), 3),
+            "repeated_4gram_fraction": round(sum(repeated) / len(repeated), 3),
+            "mean_new_tokens": round(sum(lengths) / len(lengths), 1), "samples": samples}
+
+
+def validation_set(tokenizer, rows: int = 64, prompts: int = 16) -> tuple[torch.Tensor, list[str]]:
+    """The fixed held-out measure: `rows` packed rows of validation functions (for the loss) and the
+    heads of the first `prompts` of them (for greedy continuations). Library code only, never pretrained on."""
+    rng = random.Random(0)
+    funcs = functions(corpus_files("validation"))
+    rng.shuffle(funcs)
+    val = pack_rows(tokenizer, [chat_example(tokenizer, *split_function(f, rng)) for f in funcs], SEQ_LEN)[:rows]
+    return val, [split_function(f, random.Random(i))[0] for i, f in enumerate(funcs[:prompts])]
+
+
+def measure(model, tokenizer) -> dict:
+    """Held-out loss (nats/token) and greedy continuations of held-out function heads."""
+    val, prompts = validation_set(tokenizer)
+    return {"held_out_loss": round(held_out_loss(model, val), 4), "held_out_tokens": int(val.numel()),
+            "held_out_continuations": continuations(model, tokenizer, prompts)}
+
+
+def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 16, lr: float = 3e-3,
+                     init: Path | None = None) -> dict:
+    """Tokenizer + pretraining + save_pretrained into `dest`; returns the build record. With `init`, an
+    earlier build (its tokenizer and weights) is trained further instead, and its record nested in this one."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
 
     from dflash.target.tokenizer import build_tokenizer
 
     t0 = time.time()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    train_chunks = code_chunks(corpus_files("pretrain"))
-    val_chunks = code_chunks(corpus_files("validation"))
-    rng.shuffle(train_chunks)
-    tokenizer = build_tokenizer(corpus=train_chunks[:6000], vocab_size=VOCAB_SIZE)
-    log.info("toy tokenizer: %d tokens (%.0f s)", len(tokenizer), time.time() - t0)
+    train_funcs = functions(corpus_files("pretrain", tests=True))
+    if init is not None:
+        if not (init / "config.json").exists():
+            raise NotFoundError(f"--init {init} holds no toy target; give a `python -m dflash.target.toy build` output")
+        tokenizer = AutoTokenizer.from_pretrained(init)
+        model = Qwen3_5ForCausalLM.from_pretrained(init, dtype=torch.float32)
+        parent = json.loads((init / "toy_info.json").read_text()) if (init / "toy_info.json").exists() else {}
+    else:
+        tokenizer = build_tokenizer(corpus=rng.sample(train_funcs, 8000), vocab_size=VOCAB_SIZE)
+        config = toy_config(len(tokenizer))
+        config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        config.pad_token_id = tokenizer.pad_token_id
+        model = Qwen3_5ForCausalLM(config)
+        parent = None
+    config = model.config
+    log.info("toy tokenizer: %d tokens; %d training functions (%.0f s)", len(tokenizer), len(train_funcs),
+             time.time() - t0)
 
-    examples = [chat_example(tokenizer, *split_chunk(c, rng)) for c in train_chunks[: steps * batch * 2]]
-    rows = pack_rows(tokenizer, examples, SEQ_LEN)
-    val = pack_rows(tokenizer, [chat_example(tokenizer, *split_chunk(c, rng)) for c in val_chunks[:400]], SEQ_LEN)[:64]
-    config = toy_config(len(tokenizer))
-    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config.pad_token_id = tokenizer.pad_token_id
-    model = Qwen3_5ForCausalLM(config)
+    rows, epochs = pretraining_rows(tokenizer, train_funcs, steps * batch, seed)
+    val = validation_set(tokenizer, rows=16)[0]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = get_cosine_schedule_with_warmup(opt, max(1, steps // 20), steps)
     model.train()
-    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(seed))
+    curve = []
     for step in range(steps):
-        idx = order[(step * batch) % rows.shape[0]:][:batch]
-        x = rows[idx]
+        x = rows[step * batch: (step + 1) * batch]
         loss = model(x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == steps - 1:
-            log.info("toy pretraining step %d/%d loss %.3f (%.0f s)", step, steps, loss.item(), time.time() - t0)
-    val_loss = held_out_loss(model, val)
+        if step % 100 == 0 or step == steps - 1:
+            val_loss = held_out_loss(model, val)
+            curve.append({"step": step, "loss": round(loss.item(), 4), "held_out_loss": round(val_loss, 4)})
+            log.info("toy pretraining step %d/%d loss %.3f held-out %.3f (%.0f s)", step, steps, loss.item(),
+                     val_loss, time.time() - t0)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
+    model.to(torch.bfloat16)  # bf16 on disk, small enough to ship; measured as shipped (bf16 weights, float32 math)
     dest.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(dest)  # bf16 on disk: small enough to ship (< 8 MB)
+    model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+    held_out = measure(model.float(), tokenizer)
     record = {
-        "held_out_loss": round(val_loss, 4), "held_out_tokens": int(val.numel()), "steps": steps, "batch": batch,
-        "seq_len": SEQ_LEN, "train_tokens": steps * batch * SEQ_LEN, "seed": seed, "lr": lr,
+        **held_out, "steps": steps, "batch": batch, "seq_len": SEQ_LEN, "train_tokens": steps * batch * SEQ_LEN,
+        "epochs": round(epochs, 2), "train_functions": len(train_funcs), "seed": seed, "lr": lr,
         "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
         "build_seconds": round(time.time() - t0, 1), "python": sys.version.split()[0], "torch": torch.__version__,
-        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "curve": curve,
     }
+    if parent is not None:
+        record["init"] = {k: v for k, v in parent.items() if k != "held_out_continuations"}
     write_json(dest / "toy_info.json", record)
-    log.info("toy target built in %.0f s: held-out loss %.3f nats/token", record["build_seconds"], val_loss)
+    cont = held_out["held_out_continuations"]
+    log.info("toy target built in %.0f s: held-out loss %.3f nats/token; held-out continuations end their turn "
+             "%.0f%%, repeated 4-grams %.2f", record["build_seconds"], record["held_out_loss"],
+             100 * cont["ended_turn"], cont["repeated_4gram_fraction"])
     return record
 
 
@@ -202,15 +316,34 @@ def install_shipped(dest: Path) -> bool:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash.target.toy", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="tokenizer + pretraining from scratch (about 7 minutes on 2 cores)")
+    b = sub.add_parser("build", help="tokenizer + pretraining from scratch (about 70 minutes on 2 cores)")
     b.add_argument("--out", type=Path, default=SHIPPED, help=f"output directory (default: {SHIPPED})")
-    b.add_argument("--steps", type=int, default=440)
+    b.add_argument("--steps", type=int, default=1200)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0, 5%% warmup)")
+    b.add_argument("--init", type=Path, default=None, help="train an earlier build further instead of from scratch")
+    m = sub.add_parser("measure", help="held-out loss and greedy continuations of a built toy target")
+    m.add_argument("--dir", type=Path, default=SHIPPED, help=f"toy target directory (default: {SHIPPED})")
+    m.add_argument("--write", action="store_true", help="store the figures in its toy_info.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    record = build_toy_target(args.out, steps=args.steps, seed=args.seed)
-    print(json.dumps(record, indent=1))
+    if args.cmd == "build":
+        record = build_toy_target(args.out, steps=args.steps, seed=args.seed, lr=args.lr, init=args.init)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not (args.dir / "config.json").exists():
+            raise NotFoundError(f"no toy target in {args.dir}; build one with `python -m dflash.target.toy build`")
+        record = measure(AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32),
+                         AutoTokenizer.from_pretrained(args.dir))
+        if args.write:
+            info = args.dir / "toy_info.json"
+            write_json(info, {**(json.loads(info.read_text()) if info.exists() else {}), **record})
+    cont = record["held_out_continuations"]
+    for sample in cont["samples"][:3]:
+        print(f"--- prompt\n{sample['prompt']}\n--- continuation\n{sample['continuation']}\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "held_out_continuations"}
+                     | {k: v for k, v in cont.items() if k != "samples"}, indent=1))
 
 
 if __name__ == "__main__":

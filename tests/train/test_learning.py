@@ -2,9 +2,8 @@
 and a run with the classic off-by-one label shift must score clearly worse (so the evaluation
 catches that mistake).
 
-Held-out prompts here are stdlib chunks reserved from training (toy:stdlib_eval): in the toy
-target's domain, so a short run shows its signal. On the ten coding prompts the toy target's
-completions quickly turn into repeated comment lines, which a drafter needs longer to lock on to.
+Held-out prompts are the default's: stdlib function heads reserved from training (toy:stdlib_eval),
+in the toy target's domain.
 """
 
 import json

@@ -1,0 +1,98 @@
+"""The toy target's corpus, prompts and the shipped model's recorded behaviour."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from dflash.target import toy
+
+
+def test_splits_are_disjoint_and_prompts_come_from_library_code():
+    splits = {s: set(toy.corpus_files(s, tests=True)) for s in ("pretrain", "validation", "prompts")}
+    assert all(splits.values())
+    assert not (splits["pretrain"] & splits["prompts"]) and not (splits["pretrain"] & splits["validation"])
+    assert not (splits["prompts"] & splits["validation"])
+    library = toy.corpus_files("prompts")
+    assert library and not any({"test", "tests"} & set(p.parts) for p in library)
+
+
+def test_a_function_splits_into_its_head_and_the_rest():
+    text = 'def area(w, h):\n    """Area of a w x h box."""\n    if w < 0:\n        raise ValueError(w)\n    return w * h'
+    seen = set()
+    for seed in range(20):
+        prompt, answer = toy.split_function(text, random.Random(seed))
+        assert prompt + "\n" + answer == text and answer.strip()
+        assert prompt.startswith('def area(w, h):\n    """Area of a w x h box."""')
+        seen.add(prompt.count("\n"))
+    assert seen == {1, 2, 3}  # the docstring's end, then 0-2 more lines
+    prompt, _ = toy.split_function("def f(x):\n    y = x + 1\n    return y", random.Random(0))
+    assert prompt.startswith("def f(x):")
+
+
+def test_functions_keep_decorators_parse_alone_and_have_a_body(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('class A:\n    @property\n    def size(self):\n        """The size of the box."""\n        return len(self.items) + 1\n\n'
+                   '    def only_doc(self):\n        """Nothing after me, so nothing to complete, which is skipped."""\n')
+    (funcs,) = [toy.functions([src])]
+    assert funcs == ['@property\ndef size(self):\n    """The size of the box."""\n    return len(self.items) + 1']
+
+
+def test_training_and_held_out_prompts_never_overlap():
+    train = toy.prompt_records("stdlib")
+    held = toy.prompt_records("stdlib_eval")
+    assert len(held) == toy.EVAL_RESERVE and len(train) > 1000
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert toy.prompt_records("stdlib", limit=3) == train[:3]
+    with pytest.raises(Exception, match="toy:stdlib_eval"):
+        toy.prompt_records("nope")
+
+
+def test_repeated_ngram_fraction():
+    assert toy.repeated_ngram_fraction(list(range(50))) == 0.0
+    assert toy.repeated_ngram_fraction([1, 2, 3] * 30) > 0.9
+    assert toy.repeated_ngram_fraction([1, 2]) == 0.0
+
+
+def test_shipped_target_records_its_build():
+    info = json.loads((toy.SHIPPED / "toy_info.json").read_text())
+    held = info["held_out_continuations"]
+    # what the README states for the shipped build (a rebuild that does worse should not ship silently)
+    assert held["ended_turn"] >= 0.5 and held["repeated_4gram_fraction"] <= 0.55
+    assert info["held_out_loss"] < 2.4 and info["params"] == pytest.approx(2.4e6, rel=0.1)
+    assert info["init"]["steps"] == 1200  # the shipped build's first stage, recorded
+    assert len(held["samples"]) == held["prompts"]
+
+
+@pytest.mark.slow
+def test_shipped_target_still_writes_its_recorded_continuations():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = json.loads((toy.SHIPPED / "toy_info.json").read_text())["held_out_continuations"]
+    tokenizer = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED, dtype=torch.float32)
+    samples = info["samples"][:3]
+    again = toy.continuations(model, tokenizer, [s["prompt"] for s in samples], info["max_new_tokens"])
+    # saved in bf16 after recording in float32: allow the odd late flip, not different text
+    for s, a in zip(samples, again["samples"]):
+        n = min(len(s["continuation"]), len(a["continuation"]), 200)
+        assert a["continuation"][:n] == s["continuation"][:n]
+
+
+def test_chat_examples_are_tokenized_as_the_pipeline_generates_them():
+    """The prompt is tokenized on its own and the target generates the answer after it. Pretraining on the
+    joined text instead merged the template's closing "\\n\\n" with the answer's indentation, so the model
+    never saw an answer start right after the prompt's last token and began its answers unindented."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    prompt, answer = "def f(x):\n    \"\"\"Double x.\"\"\"", "    y = x * 2\n    return y"
+    head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    ids = toy.chat_example(tokenizer, prompt, answer)
+    assert ids[: len(head_ids)] == head_ids
+    assert ids[len(head_ids):] == tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    joined = tokenizer(head + answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert joined[: len(head_ids)] != head_ids  # the hazard is real for this tokenizer
