@@ -41,7 +41,7 @@ def correct(tmp_path_factory):
     return tmp, short_default_run(tmp, "correct")
 
 
-def test_short_run_at_least_doubles_the_untrained_tau(correct):
+def test_short_run_beats_the_untrained_drafter(correct):
     _, run = correct
     evals = taus(run)
     untrained, final = evals[0], evals[max(evals)]
