@@ -109,15 +109,19 @@ def split_function(text: str, rng: random.Random) -> tuple[str, str]:
     return "\n".join(lines[:head]), "\n".join(lines[head:])
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The chat-templated user turn and the assistant's opening (thinking off), as the target is prompted."""
+    head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+    return tokenizer(head, add_special_tokens=False)["input_ids"]
+
+
 def chat_example(tokenizer, prompt: str, answer: str) -> list[int]:
     """Token ids of one chat example as the pipeline makes them: the chat-templated prompt tokenized on its
     own, then the answer and <|im_end|> tokenized on their own, as the target generates them after it.
     (Tokenizing the joined text would merge the template's closing newlines with the answer's indentation,
     a token the model then never sees at generation time, where the prompt ends.)"""
-    head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
-    return (tokenizer(head, add_special_tokens=False)["input_ids"]
-            + tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"])
+    return prompt_ids(tokenizer, prompt) + tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
 
 
 def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]:
@@ -136,7 +140,8 @@ def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]
     if name == "stdlib_eval":
         chosen = held_out
     else:  # a head seen twice (`def __repr__(self):`) would be the same completion: once, and never a held-out one
-        chosen = list(dict.fromkeys(h for h in heads[:-EVAL_RESERVE] if h not in set(held_out)))
+        unseen = set(held_out)
+        chosen = list(dict.fromkeys(h for h in heads[:-EVAL_RESERVE] if h not in unseen))
     return [{"id": f"{name}-{i:05d}", "prompt": head} for i, head in enumerate(chosen[:limit])]
 
 
@@ -198,9 +203,7 @@ def continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = 25
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     samples, ended, repeated, lengths = [], 0, [], []
     for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = torch.tensor([prompt_ids(tokenizer, prompt)])
         new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
         ended += bool(new) and new[-1] == eos
