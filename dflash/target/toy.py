@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import logging
@@ -132,10 +133,7 @@ def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]
     """
     if name not in ("stdlib", "stdlib_eval"):
         raise NotFoundError(f"no toy prompt set {name!r}; use toy:stdlib or toy:stdlib_eval")
-    rng = random.Random(0)
-    funcs = functions(corpus_files("prompts"))
-    rng.shuffle(funcs)
-    heads = [split_function(text, rng)[0] for text in funcs]
+    heads = _prompt_heads()
     held_out = heads[-EVAL_RESERVE:]
     if name == "stdlib_eval":
         chosen = held_out
@@ -143,6 +141,16 @@ def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]
         unseen = set(held_out)
         chosen = list(dict.fromkeys(h for h in heads[:-EVAL_RESERVE] if h not in unseen))
     return [{"id": f"{name}-{i:05d}", "prompt": head} for i, head in enumerate(chosen[:limit])]
+
+
+@functools.lru_cache(maxsize=1)
+def _prompt_heads() -> tuple[str, ...]:
+    """The heads of the prompt split's functions in their fixed shuffled order. Parsing the files takes
+    seconds and a run asks for both prompt sets (training, held-out) more than once: parsed once."""
+    rng = random.Random(0)
+    funcs = functions(corpus_files("prompts"))
+    rng.shuffle(funcs)
+    return tuple(split_function(text, rng)[0] for text in funcs)
 
 
 def toy_config(vocab_size: int):

@@ -171,3 +171,26 @@ def test_token_ids_from_the_server_are_used_as_generated(tmp_path):
 def test_servers_that_refuse_token_ids_can_be_told_not_to_ask(tmp_path, server):
     obtain(server_cfg(server.url, token_ids=False), tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist(), model="m")
     assert "return_token_ids" not in server.payloads[0]
+
+
+@pytest.mark.slow
+def test_batched_hf_completions_of_the_toy_target_equal_one_prompt_at_a_time(tmp_path):
+    """The default run generates its training completions 64 prompts a batch, left-padded: the labels must
+    still be the target's own greedy tokens, i.e. what it writes for each prompt alone (Gated DeltaNet
+    layers included, whose states a padding token must not reach)."""
+    from dflash.config.model import TargetConfig
+    from dflash.data.prompts import load_prompts, prompt_text
+    from dflash.target import toy
+    from dflash.target.loading import load_target
+
+    target = load_target(TargetConfig(name="toy", path=str(toy.SHIPPED), num_layers=8, mask_token_id=5,
+                                      dtype="float32"))
+    prompts = [(p.id, prompt_text(target.tokenizer, p, True, False)) for p in load_prompts("toy:stdlib")[:12]]
+    lengths = {len(target.tokenizer(text)["input_ids"]) for _, text in prompts}
+    assert len(lengths) > 6  # so the batch really is padded, by different amounts
+    out = {}
+    for batch in (1, 12):
+        cfg = CompletionsConfig(source="hf", max_new_tokens=48, batch_size=batch)
+        out[batch] = obtain(cfg, tmp_path / f"b{batch}.jsonl", prompts, SETTINGS, Dist(), target=target)
+    assert {k: r["completion_ids"] for k, r in out[12].items()} == {k: r["completion_ids"] for k, r in out[1].items()}
+    assert any(r["finish_reason"] == "stop" for r in out[1].values())  # some end their turn inside the 48 tokens
