@@ -242,11 +242,20 @@ def measure(model, tokenizer) -> dict:
             "held_out_continuations": continuations(model, tokenizer, prompts)}
 
 
+def load_build(path: Path, option: str):
+    """(model in float32, tokenizer) of a toy target build in `path`, given as `option` on the command line."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+    if not (path / "config.json").exists():
+        raise NotFoundError(f"{option} {path} holds no toy target; make one with `python -m dflash.target.toy build`")
+    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
 def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 16, lr: float = 3e-3,
                      init: Path | None = None) -> dict:
     """Tokenizer + pretraining + save_pretrained into `dest`; returns the build record. With `init`, an
     earlier build (its tokenizer and weights) is trained further instead, and its record nested in this one."""
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
+    from transformers import Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
 
     from dflash.target.tokenizer import build_tokenizer
 
@@ -255,10 +264,7 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
     rng = random.Random(seed)
     train_funcs = functions(corpus_files("pretrain", tests=True))
     if init is not None:
-        if not (init / "config.json").exists():
-            raise NotFoundError(f"--init {init} holds no toy target; give a `python -m dflash.target.toy build` output")
-        tokenizer = AutoTokenizer.from_pretrained(init)
-        model = Qwen3_5ForCausalLM.from_pretrained(init, dtype=torch.float32)
+        model, tokenizer = load_build(init, "--init")
         parent = json.loads((init / "toy_info.json").read_text()) if (init / "toy_info.json").exists() else {}
     else:
         tokenizer = build_tokenizer(corpus=rng.sample(train_funcs, 8000), vocab_size=VOCAB_SIZE)
@@ -341,12 +347,7 @@ def main(argv=None) -> None:
     if args.cmd == "build":
         record = build_toy_target(args.out, steps=args.steps, seed=args.seed, lr=args.lr, init=args.init)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not (args.dir / "config.json").exists():
-            raise NotFoundError(f"no toy target in {args.dir}; build one with `python -m dflash.target.toy build`")
-        record = measure(AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32),
-                         AutoTokenizer.from_pretrained(args.dir))
+        record = measure(*load_build(args.dir, "--dir"))
         if args.write:
             info = args.dir / "toy_info.json"
             write_json(info, {**(json.loads(info.read_text()) if info.exists() else {}), **record})
