@@ -6,6 +6,7 @@ Each is written with `save_pretrained` into a directory and then loaded through 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -33,6 +34,20 @@ def tiny_qwen3_5_config(vocab_size: int):
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
     )
+
+
+INSTALL_MARK = ".dflash-install"  # in a built-in target's folder: dflash wrote it, and may replace it
+
+
+def default_dir(name: str) -> Path:
+    """Where conf/target/<name>.yaml installs a built-in target: $DFLASH_HOME/targets/<name>."""
+    return Path(os.environ.get("DFLASH_HOME", "~/.cache/dflash")).expanduser() / "targets" / name
+
+
+def installed_by_dflash(name: str, dest: Path) -> bool:
+    """Whether `dest` is dflash's own install of built-in target `name` (its mark, or for installs older
+    than the mark, the default folder), rather than a build of someone's own at that path."""
+    return (dest / INSTALL_MARK).exists() or dest.expanduser().resolve() == default_dir(name).resolve()
 
 
 def is_current(name: str, dest: Path) -> bool:

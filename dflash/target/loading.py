@@ -122,12 +122,18 @@ def _find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
 
 def ensure_built(cfg: TargetConfig) -> None:
     """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine).
-    A toy target installed by an earlier dflash, whose shipped toy target has changed since, is replaced."""
+    A toy target installed by an earlier dflash, whose shipped toy target has changed since, is replaced;
+    a toy target built by someone at their own path (`python -m dflash.target.toy build --out DIR`,
+    then target.path=DIR) is theirs: used as it is, never replaced."""
+    from dflash.target.builtin import INSTALL_MARK, installed_by_dflash, is_current
     from dflash.target.builtin import build as build_builtin
-    from dflash.target.builtin import is_current
 
     dest = Path(cfg.path).expanduser()
     if cfg.build is None or is_current(cfg.build, dest):
+        return
+    if (dest / "config.json").exists() and not installed_by_dflash(cfg.build, dest):
+        log.warning("%s holds a build of target %s other than the one this dflash ships, not installed by "
+                    "dflash: using it as it is (delete the folder for the shipped build)", dest, cfg.build)
         return
     if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
         _wait_for_build(dest, cfg.build)
@@ -140,6 +146,8 @@ def ensure_built(cfg: TargetConfig) -> None:
     else:
         log.info("building target %s into %s", cfg.build, dest)
     build_builtin(cfg.build, tmp)
+    (tmp / INSTALL_MARK).write_text(f"installed by dflash as target {cfg.build}; replaced when dflash ships "
+                                    f"another build of it\n")
     aside = None
     if dest.exists():  # the earlier build: set aside, then removed once the new one is in place
         aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))

@@ -183,10 +183,10 @@ def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_pa
     from dflash.target.toy import SHIPPED
 
     dest = tmp_path / "toy"
-    shutil.copytree(SHIPPED, dest)
+    cfg = TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5)
+    ensure_built(cfg)  # dflash installs it, and marks it as its own
     (dest / "toy_info.json").write_text('{"built": "an earlier build"}')
     (dest / "leftover").write_text("from the old build")
-    cfg = TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5)
     with caplog.at_level("WARNING"):
         ensure_built(cfg)
     assert (dest / "toy_info.json").read_bytes() == (SHIPPED / "toy_info.json").read_bytes()
@@ -195,3 +195,40 @@ def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_pa
     (dest / "mine").write_text("kept")
     ensure_built(cfg)  # the current build is left alone
     assert (dest / "mine").exists()
+
+
+def test_an_unmarked_toy_install_in_the_default_folder_is_replaced(tmp_path, monkeypatch):
+    """Installs by a dflash older than the install mark sit in $DFLASH_HOME/targets/toy, unmarked."""
+    import shutil
+
+    from dflash.config import TargetConfig
+    from dflash.target.loading import ensure_built
+    from dflash.target.toy import SHIPPED
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    dest = tmp_path / "targets" / "toy"
+    shutil.copytree(SHIPPED, dest)
+    (dest / "toy_info.json").write_text('{"built": "an earlier build"}')
+    ensure_built(TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5))
+    assert (dest / "toy_info.json").read_bytes() == (SHIPPED / "toy_info.json").read_bytes()
+
+
+def test_a_toy_target_built_at_its_own_path_is_used_as_it_is(tmp_path, monkeypatch, caplog):
+    """`python -m dflash.target.toy build --out DIR`, then target.path=DIR: the run used to delete DIR and
+    put the shipped build in its place, so 25 minutes of build were lost and the run trained on another target."""
+    import shutil
+
+    from dflash.config import TargetConfig
+    from dflash.target.loading import ensure_built
+    from dflash.target.toy import SHIPPED
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    dest = tmp_path / "my_toy"
+    shutil.copytree(SHIPPED, dest)
+    mine = '{"built": "by me, with --steps 900"}'
+    (dest / "toy_info.json").write_text(mine)
+    with caplog.at_level("WARNING"):
+        ensure_built(TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5))
+    assert (dest / "toy_info.json").read_text() == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_toy"]
+    assert "not installed by dflash: using it as it is" in caplog.text
