@@ -6,6 +6,7 @@ loads it here, so the model class, dtype, device and kernel backend are chosen o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -132,8 +133,7 @@ def ensure_built(cfg: TargetConfig) -> None:
     if cfg.build is None or is_current(cfg.build, dest):
         return
     if (dest / "config.json").exists() and not installed_by_dflash(cfg.build, dest):
-        log.warning("%s holds a build of target %s other than the one this dflash ships, not installed by "
-                    "dflash: using it as it is (delete the folder for the shipped build)", dest, cfg.build)
+        _warn_own_build(dest, cfg.build)
         return
     if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
         _wait_for_build(dest, cfg.build)
@@ -161,6 +161,13 @@ def ensure_built(cfg: TargetConfig) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_own_build(dest: Path, name: str) -> None:
+    """Once per folder and process (a run loads the target more than once)."""
+    log.warning("%s holds a build of target %s other than the one this dflash ships, not installed by dflash: "
+                "using it as it is (delete the folder for the shipped build)", dest, name)
 
 
 def _distributed_rank() -> int:

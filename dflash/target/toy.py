@@ -1,23 +1,26 @@
 """The toy target: a small but real Qwen3.5 hybrid model (Gated DeltaNet + full attention)
-pretrained on CPU to complete Python functions from the standard library, with a byte-level BPE
-tokenizer trained on the same text. Random-weight targets cannot show a drafter learning (their
-greedy output is noise or a loop); this one writes plausible function bodies and ends its turn.
+trained on CPU to rename a name in Python functions from the standard library, with a byte-level
+BPE tokenizer trained on the same code. Random-weight targets cannot show a drafter learning (their
+greedy output is noise or a loop), and a small model asked to write code of its own soon loops;
+a rename is code that reads like the library, has one right answer, and ends its turn.
 
     python -m dflash.target.toy build [--out DIR] [--steps N] [--seed S] [--lr LR] [--init DIR]
     python -m dflash.target.toy measure [--dir DIR] [--write]    # held-out loss + sample continuations
 
 A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
-trains an earlier build further. toy_info.json records how the shipped build was made (nested
-`init` records for each earlier stage), its held-out loss and greedy continuations of held-out
-function heads: how often they end their turn and how much they repeat themselves.
+trains an earlier build further. The shipped build is not one from scratch: two stages that wrote
+function bodies (the task before renames), then two on renames (README lists the commands); how well
+a from-scratch rename build does has not been measured. toy_info.json records how the shipped build was made (nested `init` records
+for each earlier stage), its held-out loss and greedy continuations of held-out renames: how often
+they end their turn, are the right answer, and repeat themselves.
 
 The corpus is every machine's own stdlib (no network). Files are split by a hash of their
 relative path: `pretrain` (the model's training text, tests included), `validation` (its held-out
 loss and sample continuations) and `prompts` (the default run's training and held-out prompts,
 never seen in pretraining; library code only). Every example is one function, chat-formatted
-through the tokenizer's chat template: the user turn holds its signature and docstring (and
-sometimes a first line or two of the body), the assistant writes the rest and ends with
-<|im_end|>. So the default run exercises the chat template, the response-only loss mask and
+through the tokenizer's chat template: the user turn asks to rename one of its names
+("Rename `value` to `size`:") and shows it, the assistant writes the renamed function and ends
+with <|im_end|>. So the default run exercises the chat template, the response-only loss mask and
 end-of-turn tokens as a real target does.
 """
 
@@ -30,6 +33,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 import sys
 import sysconfig
 import textwrap
@@ -47,7 +51,7 @@ SKIP_DIRS = {"idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo",
 TEST_DIRS = {"test", "tests"}
 VOCAB_SIZE = 2048
 SEQ_LEN = 512
-MAX_LINES, MAX_CHARS = 60, 2000
+MAX_LINES, MAX_CHARS = 60, 700  # a function, its rename prompt and answer fit one SEQ_LEN row
 EVAL_RESERVE = 64
 SHIPPED = Path(__file__).parents[1] / "assets" / "toy_target"
 
@@ -99,15 +103,31 @@ def _parses(text: str) -> bool:
     return True
 
 
-def split_function(text: str, rng: random.Random) -> tuple[str, str]:
-    """(prompt, answer): the signature and docstring, plus 0-2 more lines while some body is left."""
+def rename_task(text: str, rng: random.Random, pool: list[str]) -> tuple[str, str] | None:
+    """(prompt, answer) of one rename: the user asks to rename one of the function's arguments or local
+    names to a name from `pool` (never a word already in the function) and shows the function; the answer
+    is the function with every occurrence of that name renamed (a whole word, not an attribute after a dot;
+    docstring and strings included, as a plain search-and-replace does). None when it has no such name."""
     node = ast.parse(text).body[0]
-    body = node.body
-    has_doc = ast.get_docstring(node) is not None
-    head = body[0].end_lineno if has_doc else body[0].lineno - 1  # lines of the signature (+ docstring)
-    lines = text.splitlines()
-    head = min(head + rng.randint(0, 2), len(lines) - 1)
-    return "\n".join(lines[:head]), "\n".join(lines[head:])
+    args = node.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a]
+    names += [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    names = [n for n in dict.fromkeys(names) if n not in ("self", "cls")]
+    words = set(re.findall(r"\w+", text))
+    fresh = [n for n in pool if n not in words]
+    if not names or not fresh:
+        return None
+    old, new = rng.choice(names), rng.choice(fresh)
+    answer = re.sub(rf"(?<![\w.]){re.escape(old)}\b", new, text)
+    return f"Rename `{old}` to `{new}`:\n\n{text}", answer
+
+
+def rename_examples(funcs: list[str], seed: int) -> list[tuple[str, str]]:
+    """A rename (prompt, answer) for each function of `funcs` that has a name to rename; the new names
+    are the argument names of `funcs`."""
+    rng = random.Random(seed)
+    pool = sorted({a.arg for f in funcs for a in ast.walk(ast.parse(f)) if isinstance(a, ast.arg)} - {"self", "cls"})
+    return [ex for f in funcs if (ex := rename_task(f, rng, pool)) is not None]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -117,40 +137,39 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(head, add_special_tokens=False)["input_ids"]
 
 
-def chat_example(tokenizer, prompt: str, answer: str) -> list[int]:
-    """Token ids of one chat example as the pipeline makes them: the chat-templated prompt tokenized on its
-    own, then the answer and <|im_end|> tokenized on their own, as the target generates them after it.
-    (Tokenizing the joined text would merge the template's closing newlines with the answer's indentation,
-    a token the model then never sees at generation time, where the prompt ends.)"""
-    return prompt_ids(tokenizer, prompt) + tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+def chat_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of one chat example as the pipeline makes it: the chat-templated prompt tokenized
+    on its own, then the answer and <|im_end|> tokenized on their own, as the target generates them after it.
+    (Tokenizing the joined text would merge the template's closing newlines with the answer's first token,
+    a token the model then never sees at generation time, where the prompt ends.) The labels are the ids
+    of the answer and -100 (no loss) on the prompt: the target learns to answer, as the drafter does."""
+    head = prompt_ids(tokenizer, prompt)
+    answer_ids = tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    return head + answer_ids, [-100] * len(head) + answer_ids
 
 
 def prompt_records(name: str = "stdlib", limit: int | None = None) -> list[dict]:
-    """Prompts from the library functions held out of pretraining: a signature and docstring each.
+    """Rename prompts on the library functions held out of pretraining.
 
-    `toy:stdlib` are training prompts; `toy:stdlib_eval` are EVAL_RESERVE more, never among the
-    training prompts, for an in-domain held-out evaluation.
+    `toy:stdlib` are training prompts; `toy:stdlib_eval` are EVAL_RESERVE more, on functions never
+    among the training prompts, for an in-domain held-out evaluation.
     """
     if name not in ("stdlib", "stdlib_eval"):
         raise NotFoundError(f"no toy prompt set {name!r}; use toy:stdlib or toy:stdlib_eval")
-    heads = _prompt_heads()
-    held_out = heads[-EVAL_RESERVE:]
-    if name == "stdlib_eval":
-        chosen = held_out
-    else:  # a head seen twice (`def __repr__(self):`) would be the same completion: once, and never a held-out one
-        unseen = set(held_out)
-        chosen = list(dict.fromkeys(h for h in heads[:-EVAL_RESERVE] if h not in unseen))
-    return [{"id": f"{name}-{i:05d}", "prompt": head} for i, head in enumerate(chosen[:limit])]
+    prompts = _prompt_tasks()
+    held_out = prompts[-EVAL_RESERVE:]
+    chosen = held_out if name == "stdlib_eval" else prompts[:-EVAL_RESERVE]
+    return [{"id": f"{name}-{i:05d}", "prompt": prompt} for i, prompt in enumerate(chosen[:limit])]
 
 
 @functools.lru_cache(maxsize=1)
-def _prompt_heads() -> tuple[str, ...]:
-    """The heads of the prompt split's functions in their fixed shuffled order. Parsing the files takes
+def _prompt_tasks() -> tuple[str, ...]:
+    """The rename prompts of the prompt split's functions in a fixed shuffled order, each function once (a
+    method written twice alike, `def __repr__(self): ...`, would be the same task). Parsing the files takes
     seconds and a run asks for both prompt sets (training, held-out) more than once: parsed once."""
-    rng = random.Random(0)
-    funcs = functions(corpus_files("prompts"))
-    rng.shuffle(funcs)
-    return tuple(split_function(text, rng)[0] for text in funcs)
+    funcs = list(dict.fromkeys(functions(corpus_files("prompts"))))
+    random.Random(0).shuffle(funcs)
+    return tuple(prompt for prompt, _ in rename_examples(funcs, seed=0))
 
 
 def toy_config(vocab_size: int):
@@ -163,24 +182,30 @@ def toy_config(vocab_size: int):
         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
-def pack_rows(tokenizer, examples: list[list[int]], seq_len: int) -> torch.Tensor:
-    """Concatenate tokenized examples (separated by <|endoftext|>) and cut into rows."""
+def pack_rows(tokenizer, examples: list[tuple[list[int], list[int]]], seq_len: int) -> torch.Tensor:
+    """Concatenate (ids, labels) examples, separated by <|endoftext|> (no loss), and cut into rows:
+    a (rows, 2, seq_len) tensor of ids and labels."""
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    stream: list[int] = []
-    for ids in examples:
-        stream.extend(ids + [eot])
-    n = len(stream) // seq_len
-    return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+    ids: list[int] = []
+    labels: list[int] = []
+    for example_ids, example_labels in examples:
+        ids.extend(example_ids + [eot])
+        labels.extend(example_labels + [-100])
+    n = len(ids) // seq_len
+    return torch.stack([torch.tensor(ids[: n * seq_len]), torch.tensor(labels[: n * seq_len])]).view(2, n, seq_len
+                                                                                                    ).transpose(0, 1)
 
 
 def pretraining_rows(tokenizer, funcs: list[str], rows: int, seed: int) -> tuple[torch.Tensor, float]:
-    """`rows` rows of SEQ_LEN tokens from epochs over `funcs`, each shuffled and cut anew; and how many epochs."""
+    """`rows` rows of SEQ_LEN tokens from epochs of renames over `funcs` (each epoch shuffled, with new
+    renames, and cut anew); and how many epochs."""
     rng = random.Random(seed)
     out, have = [], 0
     while have < rows:
         order = funcs[:]
         rng.shuffle(order)
-        epoch = pack_rows(tokenizer, [chat_example(tokenizer, *split_function(f, rng)) for f in order], SEQ_LEN)
+        examples = rename_examples(order, seed=rng.randrange(2**32))
+        epoch = pack_rows(tokenizer, [chat_example(tokenizer, *ex) for ex in examples], SEQ_LEN)
         out.append(epoch)
         have += epoch.shape[0]
     return torch.cat(out)[:rows], rows / out[0].shape[0]
@@ -188,12 +213,14 @@ def pretraining_rows(tokenizer, funcs: list[str], rows: int, seed: int) -> tuple
 
 @torch.no_grad()
 def held_out_loss(model, rows: torch.Tensor, batch: int = 16) -> float:
+    """Mean loss (nats) per answer token of the (rows, 2, seq_len) ids and labels of `pack_rows`."""
     model.eval()
     total, count = 0.0, 0
     for s in range(0, rows.shape[0], batch):
-        x = rows[s: s + batch]
-        total += model(x, labels=x).loss.item() * x.shape[0]
-        count += x.shape[0]
+        x, y = rows[s: s + batch].unbind(1)
+        n = int((y[:, 1:] != -100).sum())
+        total += model(x, labels=y).loss.item() * n
+        count += n
     model.train()
     return total / max(count, 1)
 
@@ -205,41 +232,47 @@ def repeated_ngram_fraction(ids: list[int], n: int = 4) -> float:
 
 
 @torch.no_grad()
-def continuations(model, tokenizer, prompts: list[str], max_new_tokens: int = 256) -> dict:
-    """Greedy chat completions of `prompts`: how often they end their turn, how much they repeat, samples."""
+def continuations(model, tokenizer, tasks: list[tuple[str, str]], max_new_tokens: int = 256) -> dict:
+    """Greedy chat completions of the (prompt, answer) `tasks`: how often they end their turn, how often they
+    are the answer exactly, how much of the answer's lines they get right, how much they repeat; samples."""
     model.eval()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    samples, ended, repeated, lengths = [], 0, [], []
-    for prompt in prompts:
+    samples, ended, exact, lines, repeated, lengths = [], 0, 0, [], [], []
+    for prompt, answer in tasks:
         ids = torch.tensor([prompt_ids(tokenizer, prompt)])
         new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        text = tokenizer.decode(new, skip_special_tokens=False)
         ended += bool(new) and new[-1] == eos
+        exact += text == answer + "<|im_end|>"
+        want, got = answer.splitlines(), text.removesuffix("<|im_end|>").splitlines()
+        lines.append(sum(a == b for a, b in zip(want, got)) / max(len(want), len(got)))
         repeated.append(repeated_ngram_fraction(new))
         lengths.append(len(new))
-        samples.append({"prompt": prompt, "continuation": tokenizer.decode(new, skip_special_tokens=False)})
+        samples.append({"prompt": prompt, "continuation": text})
     model.train()
-    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "ended_turn": round(ended / len(prompts), 3),
-            "repeated_4gram_fraction": round(sum(repeated) / len(repeated), 3),
-            "mean_new_tokens": round(sum(lengths) / len(lengths), 1), "samples": samples}
+    n = len(tasks)
+    return {"prompts": n, "max_new_tokens": max_new_tokens, "ended_turn": round(ended / n, 3),
+            "exact": round(exact / n, 3), "lines_right": round(sum(lines) / n, 3),
+            "repeated_4gram_fraction": round(sum(repeated) / n, 3),
+            "mean_new_tokens": round(sum(lengths) / n, 1), "samples": samples}
 
 
-def validation_set(tokenizer, rows: int = 64, prompts: int = 16) -> tuple[torch.Tensor, list[str]]:
-    """The fixed held-out measure: `rows` packed rows of validation functions (for the loss) and the
-    heads of the first `prompts` of them (for greedy continuations). Library code only, never pretrained on."""
-    rng = random.Random(0)
+def validation_set(tokenizer, rows: int = 64, tasks: int = 16) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+    """The fixed held-out measure: `rows` packed rows of renames on validation functions (for the loss) and
+    the first `tasks` of them (for greedy continuations). Library code only, never pretrained on."""
     funcs = functions(corpus_files("validation"))
-    rng.shuffle(funcs)
-    val = pack_rows(tokenizer, [chat_example(tokenizer, *split_function(f, rng)) for f in funcs], SEQ_LEN)[:rows]
-    return val, [split_function(f, random.Random(i))[0] for i, f in enumerate(funcs[:prompts])]
+    random.Random(0).shuffle(funcs)
+    examples = rename_examples(funcs, seed=0)
+    val = pack_rows(tokenizer, [chat_example(tokenizer, *ex) for ex in examples], SEQ_LEN)[:rows]
+    return val, examples[:tasks]
 
 
 def measure(model, tokenizer) -> dict:
-    """Held-out loss (nats/token) and greedy continuations of held-out function heads."""
-    val, prompts = validation_set(tokenizer)
-    return {"held_out_loss": round(held_out_loss(model, val), 4), "held_out_tokens": int(val.numel()),
-            "held_out_continuations": continuations(model, tokenizer, prompts)}
+    """Held-out loss (nats/token) and greedy continuations of held-out renames."""
+    val, tasks = validation_set(tokenizer)
+    return {"held_out_loss": round(held_out_loss(model, val), 4), "held_out_tokens": int((val[:, 1] != -100).sum()),
+            "held_out_continuations": continuations(model, tokenizer, tasks)}
 
 
 def load_build(path: Path, option: str):
@@ -284,8 +317,8 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
     model.train()
     curve = []
     for step in range(steps):
-        x = rows[step * batch: (step + 1) * batch]
-        loss = model(x, labels=x).loss
+        x, y = rows[step * batch: (step + 1) * batch].unbind(1)
+        loss = model(x, labels=y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -314,9 +347,10 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
         record["init"] = {k: v for k, v in parent.items() if k != "held_out_continuations"}
     write_json(dest / "toy_info.json", record)
     cont = held_out["held_out_continuations"]
-    log.info("toy target built in %.0f s: held-out loss %.3f nats/token; held-out continuations end their turn "
-             "%.0f%%, repeated 4-grams %.2f", record["build_seconds"], record["held_out_loss"],
-             100 * cont["ended_turn"], cont["repeated_4gram_fraction"])
+    log.info("toy target built in %.0f s: held-out loss %.3f nats/token; held-out renames end their turn %.0f%%, "
+             "are right %.0f%% (lines right %.0f%%), repeated 4-grams %.2f", record["build_seconds"],
+             record["held_out_loss"], 100 * cont["ended_turn"], 100 * cont["exact"], 100 * cont["lines_right"],
+             cont["repeated_4gram_fraction"])
     return record
 
 

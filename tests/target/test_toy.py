@@ -18,17 +18,20 @@ def test_splits_are_disjoint_and_prompts_come_from_library_code():
     assert library and not any({"test", "tests"} & set(p.parts) for p in library)
 
 
-def test_a_function_splits_into_its_head_and_the_rest():
-    text = 'def area(w, h):\n    """Area of a w x h box."""\n    if w < 0:\n        raise ValueError(w)\n    return w * h'
+def test_a_rename_renames_the_name_everywhere_but_after_a_dot():
+    text = ('def area(w, h):\n    """Area of a w x h box."""\n    if w < 0:\n        raise ValueError(w)\n'
+            '    size = w * h\n    return self.w, size')
     seen = set()
     for seed in range(20):
-        prompt, answer = toy.split_function(text, random.Random(seed))
-        assert prompt + "\n" + answer == text and answer.strip()
-        assert prompt.startswith('def area(w, h):\n    """Area of a w x h box."""')
-        seen.add(prompt.count("\n"))
-    assert seen == {1, 2, 3}  # the docstring's end, then 0-2 more lines
-    prompt, _ = toy.split_function("def f(x):\n    y = x + 1\n    return y", random.Random(0))
-    assert prompt.startswith("def f(x):")
+        prompt, answer = toy.rename_task(text, random.Random(seed), ["width", "height", "size", "area"])
+        old, new = prompt.split("`")[1], prompt.split("`")[3]
+        assert prompt == f"Rename `{old}` to `{new}`:\n\n{text}" and new in ("width", "height")  # not a word of it
+        seen.add(old)
+        if old == "w":
+            assert answer == ('def area(%s, h):\n    """Area of a %s x h box."""\n    if %s < 0:\n        raise '
+                              'ValueError(%s)\n    size = %s * h\n    return self.w, size') % ((new,) * 5)
+    assert seen == {"w", "h", "size"}  # arguments and local names
+    assert toy.rename_task("def f(self):\n    return 1", random.Random(0), ["x"]) is None
 
 
 def test_functions_keep_decorators_parse_alone_and_have_a_body(tmp_path):
@@ -49,6 +52,18 @@ def test_training_and_held_out_prompts_never_overlap():
         toy.prompt_records("nope")
 
 
+def test_packed_rows_keep_labels_aligned_with_ids():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    examples = [toy.chat_example(tokenizer, f"Rename `a` to `b{i}`:\n\na = {i}", f"b{i} = {i}") for i in range(40)]
+    rows = toy.pack_rows(tokenizer, examples, 64)
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    stream = [t for ids, labels in examples for t in zip(ids + [eot], labels + [-100])]
+    assert rows.shape == (len(stream) // 64, 2, 64)
+    assert list(zip(rows[:, 0].flatten().tolist(), rows[:, 1].flatten().tolist())) == stream[: rows.shape[0] * 64]
+
+
 def test_repeated_ngram_fraction():
     assert toy.repeated_ngram_fraction(list(range(50))) == 0.0
     assert toy.repeated_ngram_fraction([1, 2, 3] * 30) > 0.9
@@ -59,9 +74,9 @@ def test_shipped_target_records_its_build():
     info = json.loads((toy.SHIPPED / "toy_info.json").read_text())
     held = info["held_out_continuations"]
     # what the README states for the shipped build (a rebuild that does worse should not ship silently)
-    assert held["ended_turn"] >= 0.5 and held["repeated_4gram_fraction"] <= 0.55
-    assert info["held_out_loss"] < 2.4 and info["params"] == pytest.approx(2.4e6, rel=0.1)
-    assert info["init"]["steps"] == 1200  # the shipped build's first stage, recorded
+    assert held["ended_turn"] >= 0.9 and held["repeated_4gram_fraction"] <= 0.15 and held["lines_right"] >= 0.4
+    assert info["held_out_loss"] < 0.9 and info["params"] == pytest.approx(2.4e6, rel=0.1)
+    assert info["init"]["init"]["init"]["steps"] == 1200  # the shipped build's first stage, recorded
     assert len(held["samples"]) == held["prompts"]
 
 
@@ -73,7 +88,7 @@ def test_shipped_target_still_writes_its_recorded_continuations():
     tokenizer = AutoTokenizer.from_pretrained(toy.SHIPPED)
     model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED, dtype=torch.float32)
     samples = info["samples"][:3]
-    again = toy.continuations(model, tokenizer, [s["prompt"] for s in samples], info["max_new_tokens"])
+    again = toy.continuations(model, tokenizer, [(s["prompt"], "") for s in samples], info["max_new_tokens"])
     # saved in bf16 after recording in float32: allow the odd late flip, not different text
     for s, a in zip(samples, again["samples"]):
         n = min(len(s["continuation"]), len(a["continuation"]), 200)
@@ -91,8 +106,9 @@ def test_chat_examples_are_tokenized_as_the_pipeline_generates_them():
     head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True, enable_thinking=False)
     head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
-    ids = toy.chat_example(tokenizer, prompt, answer)
-    assert ids[: len(head_ids)] == head_ids
-    assert ids[len(head_ids):] == tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    ids, labels = toy.chat_example(tokenizer, prompt, answer)
+    answer_ids = tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert ids == head_ids + answer_ids
+    assert labels == [-100] * len(head_ids) + answer_ids  # the target learns to answer, not to write prompts
     joined = tokenizer(head + answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
     assert joined[: len(head_ids)] != head_ids  # the hazard is real for this tokenizer
