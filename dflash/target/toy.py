@@ -10,9 +10,9 @@ a rename is code that reads like the library, has one right answer, and ends its
 A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
 trains an earlier build further. The shipped build is not one from scratch: two stages that wrote
 function bodies (the task before renames), then two on renames (README lists the commands); how well
-a from-scratch rename build does has not been measured. toy_info.json records how the shipped build was made (nested `init` records
-for each earlier stage), its held-out loss and greedy continuations of held-out renames: how often
-they end their turn, are the right answer, and repeat themselves.
+a from-scratch rename build does has not been measured. toy_info.json records how the shipped build
+was made (nested `init` records for each earlier stage), its held-out loss and greedy continuations
+of held-out renames: how often they end their turn, are the right answer, and repeat themselves.
 
 The corpus is every machine's own stdlib (no network). Files are split by a hash of their
 relative path: `pretrain` (the model's training text, tests included), `validation` (its held-out
@@ -192,8 +192,7 @@ def pack_rows(tokenizer, examples: list[tuple[list[int], list[int]]], seq_len: i
         ids.extend(example_ids + [eot])
         labels.extend(example_labels + [-100])
     n = len(ids) // seq_len
-    return torch.stack([torch.tensor(ids[: n * seq_len]), torch.tensor(labels[: n * seq_len])]).view(2, n, seq_len
-                                                                                                    ).transpose(0, 1)
+    return torch.tensor([ids[: n * seq_len], labels[: n * seq_len]]).view(2, n, seq_len).transpose(0, 1)
 
 
 def pretraining_rows(tokenizer, funcs: list[str], rows: int, seed: int) -> tuple[torch.Tensor, float]:

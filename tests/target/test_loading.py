@@ -176,8 +176,6 @@ def test_other_processes_wait_for_process_0_to_build_a_builtin_target(tmp_path, 
 
 def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_path, caplog):
     """A cache (~/.cache/dflash/targets/toy) filled by an earlier dflash must not keep serving the old toy target."""
-    import shutil
-
     from dflash.config import TargetConfig
     from dflash.target.loading import ensure_built
     from dflash.target.toy import SHIPPED
