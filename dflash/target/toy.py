@@ -103,16 +103,23 @@ def _parses(text: str) -> bool:
     return True
 
 
-def rename_task(text: str, rng: random.Random, pool: list[str]) -> tuple[str, str] | None:
-    """(prompt, answer) of one rename: the user asks to rename one of the function's arguments or local
-    names to a name from `pool` (never a word already in the function) and shows the function; the answer
-    is the function with every occurrence of that name renamed (a whole word, not an attribute after a dot;
-    docstring and strings included, as a plain search-and-replace does). None when it has no such name."""
-    node = ast.parse(text).body[0]
+def rename_names(node: ast.FunctionDef) -> list[str]:
+    """The names a rename may pick in a parsed function: its arguments and the names it assigns, self and
+    cls aside, each once, in order of appearance."""
     args = node.args
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs + [args.vararg, args.kwarg] if a]
     names += [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
-    names = [n for n in dict.fromkeys(names) if n not in ("self", "cls")]
+    return [n for n in dict.fromkeys(names) if n not in ("self", "cls")]
+
+
+def rename_task(text: str, rng: random.Random, pool: list[str],
+                names: list[str] | None = None) -> tuple[str, str] | None:
+    """(prompt, answer) of one rename: the user asks to rename one of the function's arguments or local
+    names to a name from `pool` (never a word already in the function) and shows the function; the answer
+    is the function with every occurrence of that name renamed (a whole word, not an attribute after a dot;
+    docstring and strings included, as a plain search-and-replace does). None when it has no such name.
+    `names`: the function's `rename_names`, when the caller has parsed it already."""
+    names = rename_names(ast.parse(text).body[0]) if names is None else names
     words = set(re.findall(r"\w+", text))
     fresh = [n for n in pool if n not in words]
     if not names or not fresh:
@@ -124,10 +131,14 @@ def rename_task(text: str, rng: random.Random, pool: list[str]) -> tuple[str, st
 
 def rename_examples(funcs: list[str], seed: int) -> list[tuple[str, str]]:
     """A rename (prompt, answer) for each function of `funcs` that has a name to rename; the new names
-    are the argument names of `funcs`."""
+    are the argument names of `funcs`. Each function is parsed once."""
     rng = random.Random(seed)
-    pool = sorted({a.arg for f in funcs for a in ast.walk(ast.parse(f)) if isinstance(a, ast.arg)} - {"self", "cls"})
-    return [ex for f in funcs if (ex := rename_task(f, rng, pool)) is not None]
+    pool, names = set(), []
+    for tree in map(ast.parse, funcs):
+        pool.update(a.arg for a in ast.walk(tree) if isinstance(a, ast.arg))
+        names.append(rename_names(tree.body[0]))
+    pool = sorted(pool - {"self", "cls"})
+    return [ex for f, n in zip(funcs, names) if (ex := rename_task(f, rng, pool, n)) is not None]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
