@@ -53,3 +53,10 @@ def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 0) ->
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The chat-templated user turn and the assistant's opening (thinking off), as the target is prompted."""
+    head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+    return tokenizer(head, add_special_tokens=False)["input_ids"]

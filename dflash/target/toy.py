@@ -5,6 +5,7 @@ greedy output is noise or a loop), and a small model asked to write code of its 
 a rename is code that reads like the library, has one right answer, and ends its turn.
 
     python -m dflash.target.toy build [--out DIR] [--steps N] [--seed S] [--lr LR] [--init DIR]
+                                      [--layers N] [--lookahead 2,3,4]    # see dflash/target/lookahead.py
     python -m dflash.target.toy measure [--dir DIR] [--write]    # held-out loss + sample continuations
 
 A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
@@ -44,6 +45,8 @@ import torch
 
 from dflash.errors import NotFoundError
 from dflash.io import write_json
+from dflash.target.tokenizer import prompt_ids
+from dflash.target.toy_measure import continuations, held_out_loss
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +144,6 @@ def rename_examples(funcs: list[str], seed: int) -> list[tuple[str, str]]:
     return [ex for f, n in zip(funcs, names) if (ex := rename_task(f, rng, pool, n)) is not None]
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The chat-templated user turn and the assistant's opening (thinking off), as the target is prompted."""
-    head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
-    return tokenizer(head, add_special_tokens=False)["input_ids"]
-
-
 def chat_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     """(token ids, labels) of one chat example as the pipeline makes it: the chat-templated prompt tokenized
     on its own, then the answer and <|im_end|> tokenized on their own, as the target generates them after it.
@@ -183,11 +179,11 @@ def _prompt_tasks() -> tuple[str, ...]:
     return tuple(prompt for prompt, _ in rename_examples(funcs, seed=0))
 
 
-def toy_config(vocab_size: int):
+def toy_config(vocab_size: int, num_layers: int = 8):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6)
@@ -221,53 +217,6 @@ def pretraining_rows(tokenizer, funcs: list[str], rows: int, seed: int) -> tuple
     return torch.cat(out)[:rows], rows / out[0].shape[0]
 
 
-@torch.no_grad()
-def held_out_loss(model, rows: torch.Tensor, batch: int = 16) -> float:
-    """Mean loss (nats) per answer token of the (rows, 2, seq_len) ids and labels of `pack_rows`."""
-    model.eval()
-    total, count = 0.0, 0
-    for s in range(0, rows.shape[0], batch):
-        x, y = rows[s: s + batch].unbind(1)
-        n = int((y[:, 1:] != -100).sum())
-        total += model(x, labels=y).loss.item() * n
-        count += n
-    model.train()
-    return total / max(count, 1)
-
-
-def repeated_ngram_fraction(ids: list[int], n: int = 4) -> float:
-    """Share of the n-grams of `ids` that already occurred earlier in it: 0 for fresh text, near 1 for a loop."""
-    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-@torch.no_grad()
-def continuations(model, tokenizer, tasks: list[tuple[str, str]], max_new_tokens: int = 256) -> dict:
-    """Greedy chat completions of the (prompt, answer) `tasks`: how often they end their turn, how often they
-    are the answer exactly, how much of the answer's lines they get right, how much they repeat; samples."""
-    model.eval()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    samples, ended, exact, lines, repeated, lengths = [], 0, 0, [], [], []
-    for prompt, answer in tasks:
-        ids = torch.tensor([prompt_ids(tokenizer, prompt)])
-        new = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
-        text = tokenizer.decode(new, skip_special_tokens=False)
-        ended += bool(new) and new[-1] == eos
-        exact += text == answer + "<|im_end|>"
-        want, got = answer.splitlines(), text.removesuffix("<|im_end|>").splitlines()
-        lines.append(sum(a == b for a, b in zip(want, got)) / max(len(want), len(got)))
-        repeated.append(repeated_ngram_fraction(new))
-        lengths.append(len(new))
-        samples.append({"prompt": prompt, "continuation": text})
-    model.train()
-    n = len(tasks)
-    return {"prompts": n, "max_new_tokens": max_new_tokens, "ended_turn": round(ended / n, 3),
-            "exact": round(exact / n, 3), "lines_right": round(sum(lines) / n, 3),
-            "repeated_4gram_fraction": round(sum(repeated) / n, 3),
-            "mean_new_tokens": round(sum(lengths) / n, 1), "samples": samples}
-
-
 def validation_set(tokenizer, rows: int = 64, tasks: int = 16) -> tuple[torch.Tensor, list[tuple[str, str]]]:
     """The fixed held-out measure: `rows` packed rows of renames on validation functions (for the loss) and
     the first `tasks` of them (for greedy continuations). Library code only, never pretrained on."""
@@ -295,11 +244,16 @@ def load_build(path: Path, option: str):
 
 
 def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 16, lr: float = 3e-3,
-                     init: Path | None = None) -> dict:
+                     init: Path | None = None, layers: int | None = None, lookahead: tuple[int, ...] = (),
+                     lookahead_weight: float = 0.3) -> dict:
     """Tokenizer + pretraining + save_pretrained into `dest`; returns the build record. With `init`, an
-    earlier build (its tokenizer and weights) is trained further instead, and its record nested in this one."""
+    earlier build (its tokenizer and weights) is trained further instead, and its record nested in this one.
+    `layers`: the depth from scratch (8 when None), or the depth the `init` build grows to first (with zero
+    output projections: dflash/target/lookahead.py). `lookahead`: offsets k; the last layer a 5-layer drafter
+    reads also learns the token at q+k at each position q, its loss weighted `lookahead_weight`."""
     from transformers import Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
 
+    from dflash.target.lookahead import LookaheadHeads, deepen
     from dflash.target.tokenizer import build_tokenizer
 
     t0 = time.time()
@@ -311,34 +265,41 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
         parent = json.loads((init / "toy_info.json").read_text()) if (init / "toy_info.json").exists() else {}
     else:
         tokenizer = build_tokenizer(corpus=rng.sample(train_funcs, 8000), vocab_size=VOCAB_SIZE)
-        config = toy_config(len(tokenizer))
+        config = toy_config(len(tokenizer), layers or 8)
         config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         config.pad_token_id = tokenizer.pad_token_id
         model = Qwen3_5ForCausalLM(config)
         parent = None
+    grown_from = model.config.num_hidden_layers
+    if layers is not None and layers != grown_from:
+        model = deepen(model, layers)
     config = model.config
+    heads = LookaheadHeads.attach(model, tuple(lookahead)) if lookahead else None
     log.info("toy tokenizer: %d tokens; %d training functions (%.0f s)", len(tokenizer), len(train_funcs),
              time.time() - t0)
 
     rows, epochs = pretraining_rows(tokenizer, train_funcs, steps * batch, seed)
     val = validation_set(tokenizer, rows=16)[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    params = list(model.parameters()) + (list(heads.parameters()) if heads is not None else [])
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = get_cosine_schedule_with_warmup(opt, max(1, steps // 20), steps)
     model.train()
     curve = []
     for step in range(steps):
         x, y = rows[step * batch: (step + 1) * batch].unbind(1)
         loss = model(x, labels=y).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ahead = heads.loss(y, model.lm_head.weight) if heads is not None else []
+        (loss + lookahead_weight * sum(ahead)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps - 1:
             val_loss = held_out_loss(model, val)
-            curve.append({"step": step, "loss": round(loss.item(), 4), "held_out_loss": round(val_loss, 4)})
-            log.info("toy pretraining step %d/%d loss %.3f held-out %.3f (%.0f s)", step, steps, loss.item(),
-                     val_loss, time.time() - t0)
+            curve.append({"step": step, "loss": round(loss.item(), 4), "held_out_loss": round(val_loss, 4)}
+                         | ({"lookahead_loss": [round(a.item(), 4) for a in ahead]} if ahead else {}))
+            log.info("toy pretraining step %d/%d loss %.3f held-out %.3f lookahead %s (%.0f s)", step, steps,
+                     loss.item(), val_loss, [round(a.item(), 3) for a in ahead], time.time() - t0)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.to(torch.bfloat16)  # bf16 on disk, small enough to ship; measured as shipped (bf16 weights, float32 math)
@@ -353,6 +314,10 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
         "build_seconds": round(time.time() - t0, 1), "python": sys.version.split()[0], "torch": torch.__version__,
         "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "curve": curve,
     }
+    if config.num_hidden_layers != grown_from:
+        record["grown_from_layers"] = grown_from
+    if heads is not None:
+        record["lookahead"] = {"offsets": list(heads.offsets), "layer": heads.layer, "weight": lookahead_weight}
     if parent is not None:
         record["init"] = {k: v for k, v in parent.items() if k != "held_out_continuations"}
     write_json(dest / "toy_info.json", record)
@@ -383,13 +348,17 @@ def main(argv=None) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0, 5%% warmup)")
     b.add_argument("--init", type=Path, default=None, help="train an earlier build further instead of from scratch")
+    b.add_argument("--layers", type=int, default=None, help="depth (default 8); with --init, grow that build to it first")
+    b.add_argument("--lookahead", type=lambda v: tuple(int(k) for k in v.split(",")), default=(),
+                   help="offsets, e.g. 2,3,4: the last layer a drafter reads also learns the tokens that far ahead")
     m = sub.add_parser("measure", help="held-out loss and greedy continuations of a built toy target")
     m.add_argument("--dir", type=Path, default=SHIPPED, help=f"toy target directory (default: {SHIPPED})")
     m.add_argument("--write", action="store_true", help="store the figures in its toy_info.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     if args.cmd == "build":
-        record = build_toy_target(args.out, steps=args.steps, seed=args.seed, lr=args.lr, init=args.init)
+        record = build_toy_target(args.out, steps=args.steps, seed=args.seed, lr=args.lr, init=args.init,
+                                  layers=args.layers, lookahead=args.lookahead)
     else:
         record = measure(*load_build(args.dir, "--dir"))
         if args.write:

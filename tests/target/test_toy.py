@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash.target import toy
+from dflash.target.toy_measure import continuations
 
 
 def test_splits_are_disjoint_and_prompts_come_from_library_code():
@@ -64,12 +65,6 @@ def test_packed_rows_keep_labels_aligned_with_ids():
     assert list(zip(rows[:, 0].flatten().tolist(), rows[:, 1].flatten().tolist())) == stream[: rows.shape[0] * 64]
 
 
-def test_repeated_ngram_fraction():
-    assert toy.repeated_ngram_fraction(list(range(50))) == 0.0
-    assert toy.repeated_ngram_fraction([1, 2, 3] * 30) > 0.9
-    assert toy.repeated_ngram_fraction([1, 2]) == 0.0
-
-
 def test_shipped_target_records_its_build():
     info = json.loads((toy.SHIPPED / "toy_info.json").read_text())
     held = info["held_out_continuations"]
@@ -88,7 +83,7 @@ def test_shipped_target_still_writes_its_recorded_continuations():
     tokenizer = AutoTokenizer.from_pretrained(toy.SHIPPED)
     model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED, dtype=torch.float32)
     samples = info["samples"][:3]
-    again = toy.continuations(model, tokenizer, [(s["prompt"], "") for s in samples], info["max_new_tokens"])
+    again = continuations(model, tokenizer, [(s["prompt"], "") for s in samples], info["max_new_tokens"])
     # saved in bf16 after recording in float32: allow the odd late flip, not different text
     for s, a in zip(samples, again["samples"]):
         n = min(len(s["continuation"]), len(a["continuation"]), 200)
