@@ -5,7 +5,7 @@ greedy output is noise or a loop), and a small model asked to write code of its 
 a rename is code that reads like the library, has one right answer, and ends its turn.
 
     python -m dflash.target.toy build [--out DIR] [--steps N] [--seed S] [--lr LR] [--init DIR]
-                                      [--layers N] [--lookahead 2,3,4]    # see dflash/target/lookahead.py
+                                      [--layers N] [--lookahead 2,3,4] [--lookahead-weight W]  # lookahead.py
     python -m dflash.target.toy measure [--dir DIR] [--write]    # held-out loss + sample continuations
 
 A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
@@ -348,9 +348,11 @@ def main(argv=None) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to 0, 5%% warmup)")
     b.add_argument("--init", type=Path, default=None, help="train an earlier build further instead of from scratch")
-    b.add_argument("--layers", type=int, default=None, help="depth (default 8); with --init, grow that build to it first")
+    b.add_argument("--layers", type=int, default=None,
+                   help="depth (default 8); with --init, grow that build to it first")
     b.add_argument("--lookahead", type=lambda v: tuple(int(k) for k in v.split(",")), default=(),
                    help="offsets, e.g. 2,3,4: the last layer a drafter reads also learns the tokens that far ahead")
+    b.add_argument("--lookahead-weight", type=float, default=0.3, help="weight of each lookahead loss")
     m = sub.add_parser("measure", help="held-out loss and greedy continuations of a built toy target")
     m.add_argument("--dir", type=Path, default=SHIPPED, help=f"toy target directory (default: {SHIPPED})")
     m.add_argument("--write", action="store_true", help="store the figures in its toy_info.json")
@@ -358,7 +360,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     if args.cmd == "build":
         record = build_toy_target(args.out, steps=args.steps, seed=args.seed, lr=args.lr, init=args.init,
-                                  layers=args.layers, lookahead=args.lookahead)
+                                  layers=args.layers, lookahead=args.lookahead,
+                                  lookahead_weight=args.lookahead_weight)
     else:
         record = measure(*load_build(args.dir, "--dir"))
         if args.write:
