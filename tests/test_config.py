@@ -49,6 +49,19 @@ def test_presets_hold_the_public_shapes():
     assert q35.drafter.resolved_layer_types() == ["full_attention"] * 5
 
 
+def test_the_toy_data_brings_its_cpu_recipe_and_other_data_the_papers():
+    toy = compose("train")
+    assert (toy.drafter.num_layers, toy.drafter.head_dim, toy.data.limit) == (2, 128, 512)
+    assert (toy.train.batch_size, toy.train.num_anchors, toy.optim.lr) == (4, 32, 2e-3)
+    for own in (["data=jsonl", "data.prompts=x.jsonl"], ["experiment=qwen3_8b", "data.prompts=x.jsonl"]):
+        job = compose("train", own)
+        assert (job.drafter.num_layers, job.drafter.head_dim) == (5, None)
+        assert (job.train.batch_size, job.train.num_anchors, job.optim.lr) == (1, 512, 6e-4)
+    # what the command line gives still wins over the toy data's choices
+    mine = compose("train", ["drafter=default", "optim.lr=1e-3", "train.num_anchors=64"])
+    assert (mine.drafter.num_layers, mine.optim.lr, mine.train.num_anchors) == (5, 1e-3, 64)
+
+
 @pytest.mark.parametrize("entry", ["train", "evaluate"])
 def test_held_out_prompts_go_with_the_data_unless_given(entry):
     assert compose(entry, []).eval.prompts == "toy:stdlib_eval"  # the toy default: in its target's domain
