@@ -183,7 +183,7 @@ def test_batched_hf_completions_of_the_toy_target_equal_one_prompt_at_a_time(tmp
     from dflash.target import toy
     from dflash.target.loading import load_target
 
-    target = load_target(TargetConfig(name="toy", path=str(toy.SHIPPED), num_layers=8, mask_token_id=5,
+    target = load_target(TargetConfig(name="toy", path=str(toy.SHIPPED), num_layers=12, mask_token_id=5,
                                       dtype="float32"))
     prompts = [(p.id, prompt_text(target.tokenizer, p, True, False)) for p in load_prompts("toy:stdlib")[:12]]
     lengths = {len(target.tokenizer(text)["input_ids"]) for _, text in prompts}
