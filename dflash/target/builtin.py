@@ -67,10 +67,14 @@ def is_current(name: str, dest: Path) -> bool:
 def build(name: str, dest: Path) -> None:
     """Write target `name` (tiny_qwen3, tiny_qwen3_5, toy) into the empty directory `dest`."""
     if name == "toy":
-        from dflash.target.toy import build_toy_target, install_shipped
+        from dflash.errors import NotFoundError
+        from dflash.target.toy import SHIPPED, install_shipped
 
-        if not install_shipped(dest):
-            build_toy_target(dest)
+        if not install_shipped(dest):  # a build from scratch would be the first of its recorded stages only
+            raise NotFoundError(
+                f"the shipped toy target is missing ({SHIPPED / 'config.json'} does not exist): reinstall dflash "
+                f"(pip install -e .), or rebuild it with `python -m dflash.target.toy build` through the stages "
+                f"README lists, into target.path")
         return
     from transformers import AutoModelForCausalLM
 

@@ -145,7 +145,11 @@ def ensure_built(cfg: TargetConfig) -> None:
                     "caches are keyed by the target, so none made with the old one is reused)", dest, cfg.build)
     else:
         log.info("building target %s into %s", cfg.build, dest)
-    build_builtin(cfg.build, tmp)
+    try:
+        build_builtin(cfg.build, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / INSTALL_MARK).write_text(f"installed by dflash as target {cfg.build}; replaced when dflash ships "
                                     f"another build of it\n")
     aside = None

@@ -195,6 +195,21 @@ def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_pa
     assert (dest / "mine").exists()
 
 
+def test_a_missing_shipped_toy_target_is_explained_not_rebuilt_otherwise(tmp_path, monkeypatch):
+    """Without its shipped copy (a broken install), the toy target is not rebuilt from scratch: that would
+    be the first of its recorded build stages only, another target than the one conf/target/toy.yaml names."""
+    from dflash.config import TargetConfig
+    from dflash.errors import NotFoundError
+    from dflash.target import toy
+    from dflash.target.loading import ensure_built
+
+    monkeypatch.setattr(toy, "SHIPPED", tmp_path / "assets" / "toy_target")
+    cfg = TargetConfig(name="toy", path=str(tmp_path / "home" / "toy"), build="toy", mask_token_id=5)
+    with pytest.raises(NotFoundError, match="shipped toy target is missing .*reinstall dflash"):
+        ensure_built(cfg)
+    assert list((tmp_path / "home").iterdir()) == []  # no half-built folder left behind
+
+
 def test_an_unmarked_toy_install_in_the_default_folder_is_replaced(tmp_path, monkeypatch):
     """Installs by a dflash older than the install mark sit in $DFLASH_HOME/targets/toy, unmarked."""
     import shutil
