@@ -77,7 +77,7 @@ class LookaheadHeads(nn.Module):
 
     @classmethod
     def attach(cls, model, offsets: tuple[int, ...]) -> LookaheadHeads:
-        """Heads that read the last layer a 5-layer drafter reads from `model` (the reference formula),
+        """Heads that read the last of the 5 layers a drafter reads from `model` (the reference formula),
         caught by a forward hook at each forward of `model`; `heads.loss(labels, output_embedding)` after it."""
         from dflash.target.layer_ids import build_target_layer_ids
 

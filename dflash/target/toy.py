@@ -250,7 +250,7 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
     """Tokenizer + pretraining + save_pretrained into `dest`; returns the build record. With `init`, an
     earlier build (its tokenizer and weights) is trained further instead, and its record nested in this one.
     `layers`: the depth from scratch (8 when None), or the depth the `init` build grows to first (with zero
-    output projections: dflash/target/lookahead.py). `lookahead`: offsets k; the last layer a 5-layer drafter
+    output projections: dflash/target/lookahead.py). `lookahead`: offsets k; the last of the 5 layers a drafter
     reads also learns the token at q+k at each position q, its loss weighted `lookahead_weight`."""
     from transformers import Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
 
