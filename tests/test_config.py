@@ -51,12 +51,14 @@ def test_presets_hold_the_public_shapes():
 
 def test_the_toy_data_brings_its_cpu_recipe_and_other_data_the_papers():
     toy = compose("train")
-    assert (toy.drafter.num_layers, toy.drafter.head_dim, toy.data.limit) == (2, 128, 512)
-    assert (toy.train.batch_size, toy.train.num_anchors, toy.optim.lr) == (4, 32, 2e-3)
+    assert (toy.drafter.num_layers, toy.drafter.head_dim, toy.data.limit) == (2, 128, None)
+    assert (toy.train.batch_size, toy.train.num_anchors, toy.train.max_steps, toy.optim.lr) == (4, 32, 768, 2e-3)
+    assert toy.eval.completions_batch_size == 64
     for own in (["data=jsonl", "data.prompts=x.jsonl"], ["experiment=qwen3_8b", "data.prompts=x.jsonl"]):
         job = compose("train", own)
         assert (job.drafter.num_layers, job.drafter.head_dim) == (5, None)
-        assert (job.train.batch_size, job.train.num_anchors, job.optim.lr) == (1, 512, 6e-4)
+        assert (job.train.batch_size, job.train.num_anchors, job.train.max_steps, job.optim.lr) == (1, 512, None, 6e-4)
+        assert job.eval.completions_batch_size == 1  # a real target's held-out answers: one at a time, unpadded
     # what the command line gives still wins over the toy data's choices
     mine = compose("train", ["drafter=default", "optim.lr=1e-3", "train.num_anchors=64"])
     assert (mine.drafter.num_layers, mine.optim.lr, mine.train.num_anchors) == (5, 1e-3, 64)

@@ -257,6 +257,7 @@ def _run_hf(cfg, target, items, out: _Appender) -> None:
     from tqdm import tqdm
 
     stop_ids = target.stop_token_ids()
+    items = by_length(target.tokenizer, items)
     bar = tqdm(total=len(items), desc="completions", unit="prompt", disable=None)
     for s in range(0, len(items), cfg.batch_size):
         chunk = items[s: s + cfg.batch_size]
@@ -264,6 +265,14 @@ def _run_hf(cfg, target, items, out: _Appender) -> None:
         out.write([{"id": pid, "prompt_sha": text_sha(text), **r} for (_, pid, text), r in zip(chunk, results)])
         bar.update(len(chunk))
     bar.close()
+
+
+def by_length(tokenizer, items: list[tuple]) -> list[tuple]:
+    """(index, id, text) items longest prompt first, so that a batch holds prompts of about one length: less
+    left padding, and a batch of short tasks ends when its own answers do (a completion's length follows its
+    prompt's), not after the longest answer of the whole set. The store is keyed by id, so order is free."""
+    lengths = [len(ids) for ids in tokenizer([t for _, _, t in items], add_special_tokens=False)["input_ids"]]
+    return [item for _, item in sorted(zip(lengths, items), key=lambda pair: -pair[0])]
 
 
 def _run_server(cfg, model, items, out: _Appender, eos_id) -> None:

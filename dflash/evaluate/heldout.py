@@ -3,7 +3,8 @@ their own, made by the same extraction API as the training data.
 
 Its folder is keyed by a hash of everything that changes the held-out sequences: the target's
 weights, tokenizer and dtype, the prompts (their content, not only the file name), eval.max_prompts,
-eval.max_new_tokens, data.chat_template and data.enable_thinking. The held-out completions are never
+eval.max_new_tokens, data.chat_template, data.enable_thinking and, when prompts are batched,
+eval.completions_batch_size (a set made one prompt at a time keeps its key). The held-out completions are never
 truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
 side by side may read different layers).
 """
@@ -41,7 +42,8 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     prompts = _prompts(job) if prompts is None else prompts
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
-            "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking}
+            "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
+            **({"completions_batch_size": job.eval.completions_batch_size} if job.eval.completions_batch_size > 1 else {})}
 
 
 def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
@@ -62,8 +64,8 @@ def is_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
 
 def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), greedy
-    completions of eval.max_new_tokens generated one prompt at a time (no padding), untruncated,
-    features of `layer_ids` in float32. Needs the full target."""
+    completions of eval.max_new_tokens (eval.completions_batch_size prompts a batch: by default one at a time,
+    no padding), untruncated, features of `layer_ids` in float32. Needs the full target."""
     prompts = _prompts(job)
     key = heldout_key(job, target, prompts)
     features_dir, store = heldout_paths(job, target, layer_ids, key)
@@ -73,7 +75,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     source = "cached" if job.eval.completions_path else (
         "server" if job.data.completions.source == "server" else "hf")
     completions = replace(job.data.completions, source=source, path=str(store),
-                          max_new_tokens=job.eval.max_new_tokens, batch_size=1)
+                          max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size)
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
                                  max_length=None)

@@ -126,6 +126,27 @@ def test_hf_source_stops_on_end_of_turn(tmp_path, tiny_targets):
         assert rec["finish_reason"] == ("stop" if ids[-1] in target.stop_token_ids() else "length")
 
 
+def test_hf_batches_hold_prompts_of_about_one_length_and_each_answer_keeps_its_id(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dflash.data import completions
+
+    batches = []
+
+    def fake_generate(target, texts, cfg, stop_ids):
+        batches.append(texts)
+        return [{"completion_ids": [len(t)], "finish_reason": "stop", "completion": t.upper()} for t in texts]
+
+    monkeypatch.setattr(completions, "generate_hf", fake_generate)
+    target = SimpleNamespace(tokenizer=lambda texts, add_special_tokens: {"input_ids": [t.split() for t in texts]},
+                             stop_token_ids=lambda: [0])
+    prompts = [(f"p{i}", " ".join(["w"] * n)) for i, n in enumerate([3, 9, 1, 7, 3, 12, 5])]
+    records = obtain(CompletionsConfig(source="hf", batch_size=3), tmp_path / "c.jsonl", prompts, SETTINGS, Dist(),
+                     target=target)
+    assert [[len(t.split()) for t in b] for b in batches] == [[12, 9, 7], [5, 3, 3], [1]]
+    assert {pid: r["completion"] for pid, r in records.items()} == {pid: text.upper() for pid, text in prompts}
+
+
 class Tok:
     """A stand-in tokenizer: one id per character."""
 
@@ -175,8 +196,8 @@ def test_servers_that_refuse_token_ids_can_be_told_not_to_ask(tmp_path, server):
 
 @pytest.mark.slow
 def test_batched_hf_completions_of_the_toy_target_equal_one_prompt_at_a_time(tmp_path):
-    """The default run generates its training completions 64 prompts a batch, left-padded: the labels must
-    still be the target's own greedy tokens, i.e. what it writes for each prompt alone (Gated DeltaNet
+    """The default run generates its training and held-out completions 64 prompts a batch, left-padded: the
+    labels must still be the target's own greedy tokens, i.e. what it writes for each prompt alone (Gated DeltaNet
     layers included, whose states a padding token must not reach)."""
     from dflash.config.model import TargetConfig
     from dflash.data.prompts import load_prompts, prompt_text

@@ -236,12 +236,13 @@ def test_heldout_set_is_keyed_by_everything_that_changes_its_sequences(tmp_path,
 
     base = path()
     for change in ("data.chat_template=false", "data.enable_thinking=true", "eval.max_prompts=1",
-                   "eval.max_new_tokens=20", "eval.prompts=builtin:tiny_prompts"):
+                   "eval.max_new_tokens=20", "eval.prompts=builtin:tiny_prompts", "eval.completions_batch_size=8"):
         assert path(change) != base, change
     other_tokenizer = copy.deepcopy(target.tokenizer)
     other_tokenizer.chat_template = "{{ messages[0]['content'] }}"
     assert path(tgt=replace(target, tokenizer=other_tokenizer)) != base
-    for same in ("data.max_length=100", "eval.every=5", "train.num_anchors=4"):  # not part of the held-out set
+    # not part of the held-out set; nor is the default one-prompt-at-a-time (sets made before the key had it)
+    for same in ("data.max_length=100", "eval.every=5", "train.num_anchors=4", "eval.completions_batch_size=1"):
         assert path(same) == base, same
     prompts.write_text('{"id": "a", "prompt": "one, edited"}\n{"id": "b", "prompt": "two"}\n')
     assert path() != base  # the same file name with other prompts
