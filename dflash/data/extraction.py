@@ -17,7 +17,7 @@ import torch
 
 from dflash.config import DataConfig, FeaturesConfig, JobConfig
 from dflash.data import cache as fcache
-from dflash.data.prompts import load_prompts
+from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.sequences import Prepared, prepare_sequences
 from dflash.dist import Dist
 from dflash.provenance import features_manifest
@@ -69,10 +69,15 @@ def completions_store(data: DataConfig, features: FeaturesConfig) -> Path:
     return Path(data.completions.path) if data.completions.path else Path(features.dir).parent / "completions.jsonl"
 
 
+def training_prompts(data: DataConfig) -> list[Prompt]:
+    """The prompts data.* picks (data.offset, data.limit included)."""
+    return load_prompts(data.prompts, data.format, data.split, data.prompt_key, data.offset, data.limit)
+
+
 def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
     """The training sequences of `job`: data.prompts with the target's completions."""
     data = job.data
-    prompts = load_prompts(data.prompts, data.format, data.split, data.prompt_key, data.offset, data.limit)
+    prompts = training_prompts(data)
     return prepare_sequences(prompts, data.prompts, target, data.completions, completions_store(data, job.features),
                              dist, chat_template=data.chat_template, enable_thinking=data.enable_thinking,
                              max_length=data.max_length)

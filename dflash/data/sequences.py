@@ -99,5 +99,6 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                     "generated); recorded in the manifest as completions_retokenized", retokenized)
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
-            "skipped": skipped, "completions_retokenized": retokenized}
+            "skipped": skipped, "completions_retokenized": retokenized, "chat_template": chat_template,
+            "enable_thinking": enable_thinking}
     return Prepared(sequences, info)

@@ -40,10 +40,11 @@ def _prompts(job: JobConfig):
 def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     """Everything the held-out sequences depend on (what keys its folder); `prompts` when already read."""
     prompts = _prompts(job) if prompts is None else prompts
+    batch = job.eval.completions_batch_size
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
-            **({"completions_batch_size": job.eval.completions_batch_size} if job.eval.completions_batch_size > 1 else {})}
+            **({"completions_batch_size": batch} if batch > 1 else {})}
 
 
 def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
@@ -92,7 +93,8 @@ def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
     cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids, now)[0], dtype=torch.float32)
     made_for = cache.manifest.get("data", {}).get("heldout_key")
     if made_for is not None and made_for != now:
-        diff = ", ".join(f"{k}: {made_for.get(k)!r} there, {now.get(k)!r} now" for k in now if made_for.get(k) != now[k])
+        diff = ", ".join(f"{k}: {made_for.get(k)!r} there, {now.get(k)!r} now"
+                         for k in {**now, **made_for} if made_for.get(k) != now.get(k))
         raise CacheError(f"the held-out set in {cache.root} was made for other settings ({diff[:600]}); delete it "
                          f"or point eval.features_dir elsewhere to make it anew")
     check_kernels(cache.manifest, target, cache.root)

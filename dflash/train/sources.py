@@ -11,9 +11,10 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.data import cache as fcache
-from dflash.data.extraction import extract_training, prepare_training
+from dflash.data.extraction import extract_training, prepare_training, training_prompts
+from dflash.data.prompts import prompts_hash
 from dflash.dist import Dist
-from dflash.errors import ConfigError
+from dflash.errors import CacheError, ConfigError, DFlashError
 from dflash.evaluate import heldout
 from dflash.provenance import check_provenance, features_manifest, target_signature
 from dflash.target.layer_ids import resolve_layer_ids
@@ -50,6 +51,7 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         extract_training(job, target, dist)
     cache = fcache.FeatureCache(job.features.dir, dtype=torch.float32)
     cache.verify_all()  # here, not in a DataLoader worker (which would wrap the message in its traceback)
+    check_data(job, cache.manifest)
     if cache.manifest["layer_ids"] != layer_ids:
         raise ConfigError(f"features.dir={job.features.dir} holds layers {cache.manifest['layer_ids']} but the "
                           f"drafter reads {layer_ids}; set features.dir to a new directory or change layers")
@@ -59,6 +61,29 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
                      actual_name=f"the feature cache {job.features.dir}",
                      fields=("target", "tokenizer", "dtype", "layer_ids"))
     return CachedSource(cache), cache.manifest
+
+
+def check_data(job: JobConfig, manifest: dict) -> None:
+    """Refuse a feature cache extracted from other data than data.* now asks for (other prompts, another
+    data.limit or data.offset, max length, chat template or thinking setting): the run would train on it
+    silently. The prompts are read again to compare them; where they cannot be read here (a cache made
+    elsewhere), the cache is taken as it is, with a warning."""
+    made = manifest.get("data", {})
+    try:
+        prompts = training_prompts(job.data)
+    except (OSError, DFlashError) as e:
+        log.warning("could not read data.prompts=%s to check that %s was extracted from them (%s); training on "
+                    "the cache as it is", job.data.prompts, job.features.dir, e)
+        return
+    now = {"prompts": job.data.prompts, "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
+           "max_length": job.data.max_length, "chat_template": job.data.chat_template,
+           "enable_thinking": job.data.enable_thinking}
+    there = {**made, "max_length": manifest.get("max_length")}
+    diff = [f"{k}: {there[k]!r} there, {v!r} now" for k, v in now.items() if k in there and there[k] != v]
+    if diff:
+        raise CacheError(f"the feature cache {job.features.dir} was extracted from other data than data.* gives "
+                         f"({'; '.join(diff)}). Delete that folder to extract it anew (the completions stored "
+                         f"next to it are kept and reused), or set features.dir to another folder")
 
 
 def keep_heads_only(target: Target) -> None:

@@ -259,6 +259,12 @@ def test_heldout_set_in_an_explicit_folder_is_checked_against_the_settings(tmp_p
                        "data.enable_thinking=true")
     with pytest.raises(CacheError, match="enable_thinking: False there, True now"):
         heldout.load(changed, target, [1, 3])
+    batched = eval_job(tmp_path, f"eval.features_dir={tmp_path}/batched", "eval.max_prompts=1",
+                       "eval.completions_batch_size=4")
+    heldout.prepare(batched, target, [1, 3], Dist())
+    alone = eval_job(tmp_path, f"eval.features_dir={tmp_path}/batched", "eval.max_prompts=1")
+    with pytest.raises(CacheError, match="completions_batch_size: 4 there, None now"):  # a key only one side has
+        heldout.load(alone, target, [1, 3])
 
 
 def test_in_run_evaluation_refuses_a_heldout_set_from_other_kernels(trained, tmp_path, tiny_targets):

@@ -139,6 +139,24 @@ def test_offline_cache_with_other_layers_is_refused(workdir):
         train(job_for(workdir, "layers-b", "train.max_steps=1", "layers.num=3"))
 
 
+def test_cache_of_other_data_is_refused_naming_the_difference(workdir, caplog):
+    """A cache extracted with data.limit=3 is not trained on by a run that asks for 4 prompts (or another
+    template); where the prompts cannot be read again, the cache is used as it is, with a warning."""
+    from dflash.errors import CacheError
+
+    cache = f"features.dir={workdir}/cache-data/features"
+    train(job_for(workdir, "three", "train.max_steps=1", "data.limit=3", cache))
+    with pytest.raises(CacheError, match=r"num_prompts: 3 there, 4 now.*Delete that folder"):
+        train(job_for(workdir, "four", "train.max_steps=1", "data.limit=4", cache))
+    with pytest.raises(CacheError, match=r"chat_template: True there, False now"):
+        train(job_for(workdir, "plain", "train.max_steps=1", "data.limit=3", "data.chat_template=false", cache))
+    train(job_for(workdir, "same", "train.max_steps=1", "data.limit=3", cache))  # the same data: trains
+    assert (workdir / "runs/same/checkpoints").is_dir()
+    with caplog.at_level("WARNING"):
+        train(job_for(workdir, "gone", "train.max_steps=1", f"data.prompts={workdir}/missing.jsonl", cache))
+    assert "could not read data.prompts" in caplog.text
+
+
 def test_existing_run_is_not_overwritten(workdir):
     train(job_for(workdir, "once", "train.max_steps=1"))
     before = (workdir / "runs/once/checkpoints/step-000001/model.safetensors").read_bytes()
