@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def short_default_run(tmp, name):
     return train(compose("train", [
-        "data.limit=128", "data.completions.max_new_tokens=64", "train.epochs=5", "logger=none",
+        "data.limit=128", "data.completions.max_new_tokens=64", "train.epochs=5", "train.max_steps=null", "logger=none",
         "eval.prompts=toy:stdlib_eval", "eval.max_prompts=16",
         "eval.max_new_tokens=128", "eval.ddtree_budgets=[8]", "train.num_workers=0",
         "train.save_every=100000", f"features.dir={tmp}/cache/toy/features", f"run.root={tmp}/runs",
@@ -45,6 +45,7 @@ def correct(tmp_path_factory):
 def test_short_run_beats_the_untrained_drafter(correct):
     _, run = correct
     evals = taus(run)
+    assert max(evals) == 160  # the docstring's run: train.epochs counts, not the toy recipe's max_steps
     untrained, final = evals[0], evals[max(evals)]
     assert final["eval/tau"] > untrained["eval/tau"] + 0.04, (untrained["eval/tau"], final["eval/tau"])
     assert final["eval/acc@1"] > untrained["eval/acc@1"] + 0.05
