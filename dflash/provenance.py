@@ -104,6 +104,12 @@ def _show(value) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def differences(there: dict, now: dict) -> str:
+    """`key: <there> there, <now> now` for each key of either dict whose values differ, comma-separated."""
+    return ", ".join(f"{k}: {there.get(k)!r} there, {now.get(k)!r} now"
+                     for k in {**now, **there} if there.get(k) != now.get(k))
+
+
 def check_provenance(expected: dict, actual: dict, allow: list[str] | tuple = (), *,
                      expected_name: str = "the checkpoint", actual_name: str = "the features",
                      fields: tuple = GUARDED_FIELDS) -> list[str]:

@@ -28,7 +28,7 @@ from dflash.data.sequences import prepare_sequences
 from dflash.dist import Dist
 from dflash.errors import CacheError
 from dflash.layout import CacheLayout
-from dflash.provenance import check_kernels, target_signature
+from dflash.provenance import check_kernels, differences, target_signature
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
     cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids, now)[0], dtype=torch.float32)
     made_for = cache.manifest.get("data", {}).get("heldout_key")
     if made_for is not None and made_for != now:
-        diff = ", ".join(f"{k}: {made_for.get(k)!r} there, {now.get(k)!r} now"
-                         for k in {**now, **made_for} if made_for.get(k) != now.get(k))
+        diff = differences(made_for, now)
         raise CacheError(f"the held-out set in {cache.root} was made for other settings ({diff[:600]}); delete it "
                          f"or point eval.features_dir elsewhere to make it anew")
     check_kernels(cache.manifest, target, cache.root)

@@ -16,7 +16,7 @@ from dflash.data.prompts import prompts_hash
 from dflash.dist import Dist
 from dflash.errors import CacheError, ConfigError, DFlashError
 from dflash.evaluate import heldout
-from dflash.provenance import check_provenance, features_manifest, target_signature
+from dflash.provenance import check_provenance, differences, features_manifest, target_signature
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.train.batches import CachedSource, SequenceSource
@@ -46,12 +46,14 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         manifest = features_manifest(target, layer_ids, "online", job.data.max_length, prepared.info,
                                      job.features.shard_sequences)
         return SequenceSource(prepared.sequences), manifest
-    if not fcache.is_complete(job.features.dir):
+    extracted_now = not fcache.is_complete(job.features.dir)
+    if extracted_now:
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
     cache = fcache.FeatureCache(job.features.dir, dtype=torch.float32)
     cache.verify_all()  # here, not in a DataLoader worker (which would wrap the message in its traceback)
-    check_data(job, cache.manifest)
+    if not extracted_now:  # a cache just extracted is of data.* by construction
+        check_data(job, cache.manifest)
     if cache.manifest["layer_ids"] != layer_ids:
         raise ConfigError(f"features.dir={job.features.dir} holds layers {cache.manifest['layer_ids']} but the "
                           f"drafter reads {layer_ids}; set features.dir to a new directory or change layers")
@@ -79,10 +81,11 @@ def check_data(job: JobConfig, manifest: dict) -> None:
            "max_length": job.data.max_length, "chat_template": job.data.chat_template,
            "enable_thinking": job.data.enable_thinking}
     there = {**made, "max_length": manifest.get("max_length")}
-    diff = [f"{k}: {there[k]!r} there, {v!r} now" for k, v in now.items() if k in there and there[k] != v]
+    recorded = [k for k in now if k in there]  # caches made before a setting was recorded are not refused for it
+    diff = differences({k: there[k] for k in recorded}, {k: now[k] for k in recorded})
     if diff:
         raise CacheError(f"the feature cache {job.features.dir} was extracted from other data than data.* gives "
-                         f"({'; '.join(diff)}). Delete that folder to extract it anew (the completions stored "
+                         f"({diff}). Delete that folder to extract it anew (the completions stored "
                          f"next to it are kept and reused), or set features.dir to another folder")
 
 
