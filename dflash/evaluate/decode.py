@@ -31,7 +31,8 @@ class SpecResult:
     output_ids: torch.Tensor
     """[1, prompt + generated]."""
     acceptance_lengths: list[int]
-    """Tokens committed per verification step (accepted drafts + 1 bonus), in [1, B]."""
+    """Tokens committed per verification step (accepted drafts + 1 bonus, none past a stop token), in [1, B];
+    they sum to the generated tokens less the prefill's one."""
     target_forwards: int = 1
     """Target forwards, the prompt's (prefill) included: 1 + verifications + replays (hybrid targets),
     so generated tokens / target_forwards is 1.0 for plain decoding and for drafts never accepted."""
@@ -186,12 +187,12 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             result.target_forwards += 1
         result.draft_tokens.append(drafts)
         ids.extend(accepted + [bonus])
-        result.acceptance_lengths.append(len(accepted) + 1)
         pending = features
         for i, t in enumerate(ids[p + 1:], start=p + 1):  # stop at the first stop token committed
             if t in stops:
                 del ids[i + 1:]
                 break
+        result.acceptance_lengths.append(len(ids) - 1 - p)  # what was kept: nothing past a stop token counts
     result.output_ids = torch.tensor([ids[: prompt_len + max_new_tokens]], device=input_ids.device)
     return result
 

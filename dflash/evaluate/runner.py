@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
+from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, NotFoundError
 from dflash.evaluate import heldout
 from dflash.evaluate.plots import save_plots
@@ -32,8 +33,13 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
                     backend: str) -> dict:
     """Teacher-forced eval during training, into eval/step-XXXXXX/ and the training run's W&B run.
     Returns the whole summary (metrics, histogram, per-prompt table)."""
+    compiled = flex_compile_count()
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval, backend)
     summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
+    if backend == "flex":  # bounded by the length buckets: teacher_forced pads every forward to one block count
+        summary["metrics"]["eval/flex_compiles"] = flex_compile_count() - compiled
+        log.info("evaluation at step %d compiled %d flex graphs (%d in this process)", step,
+                 flex_compile_count() - compiled, flex_compile_count())
     out_dir = run.eval_dir(step_name(step))
     write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced"})
     images = save_plots(out_dir, {f"step {step}": summary}) if job.eval.plots else {}

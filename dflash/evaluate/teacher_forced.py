@@ -1,9 +1,12 @@
-"""Teacher-forced evaluation: every anchor of the held-out completions is drafted with the packed
-forward from cached target features, and slot k is scored against x_{p+k} (DESIGN §5).
+"""Teacher-forced evaluation: blocks of the held-out completions are drafted with the packed forward
+from cached target features, and slot k is scored against x_{p+k} (DESIGN §5).
 
-One record per block goes to blocks.jsonl; summary.json is computed from those records by
-`summarize`, so the two always agree. Per-slot accuracy and streaks come from
-dflash.drafter.metrics, the same code that scores training batches.
+Two estimators come from the same records. The headline one walks each completion as decoding does
+(dflash.evaluate.walk: a block where the previous one stopped), which equals live decoding on the same
+completions; the every-anchor mean (`*_all_anchors`, and the slot accuracies) drafts a block at every
+response position and is what training's sampled anchors estimate. One record per drafted block goes
+to blocks.jsonl; summary.json is computed from those records by `summarize`, so the two always agree.
+Per-slot accuracy and streaks come from dflash.drafter.metrics, the same code that scores training batches.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import ddtree_tau
+from dflash.evaluate.walk import walk
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
 
@@ -24,8 +28,17 @@ ANCHORS_PER_FORWARD = 256
 
 @torch.no_grad()
 def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -> list[dict]:
-    """One record per evaluated block: prompt id, anchor, target and draft tokens of slots 1..B-1,
-    the drafter's top-K tokens and log-probs per slot (K = the largest DDTree budget), streak."""
+    """One record per drafted block, by prompt and anchor: target and draft tokens of slots 1..B-1, the
+    drafter's top-K tokens and log-probs per slot (K = the largest DDTree budget), streak, `left` and `room`
+    (dflash.evaluate.walk), `all_anchors` (a complete block of the every-anchor mean, thinned by
+    eval.anchor_stride and eval.max_blocks) and `walk_start` (the first response position, where decoding
+    drafts its first block).
+
+    Blocks are drafted at every anchor the every-anchor mean samples and at every position the decoding
+    walk reaches (the chain's and each DDTree budget's): by default every response position, the last
+    partial blocks included, ANCHORS_PER_FORWARD a forward. On flex every forward is padded to that many
+    blocks and a multiple of FLEX_LENGTH_MULTIPLE positions, so an evaluation compiles at most one graph
+    per length bucket and mask kind (as training does with train.num_anchors)."""
     was_training = drafter.training
     drafter.eval()
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
@@ -35,26 +48,47 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     progress = Progress(n_prompts, "teacher-forced eval", "prompts")
     for i in range(n_prompts):
         ids, mask, feats = eval_set[i]
-        anchors = eligible_anchors(mask, cfg.anchor_region)
-        anchors = anchors[anchors + B - 1 < ids.numel()][:: cfg.anchor_stride]  # complete blocks only
+        length = ids.numel()
+        response = mask.nonzero().flatten()
+        start = int(response[0]) if response.numel() else length
+        sampled = eligible_anchors(mask, cfg.anchor_region)
+        sampled = sampled[sampled + B - 1 < length][:: cfg.anchor_stride]  # complete blocks only
         if cfg.max_blocks is not None:
-            anchors = anchors[: cfg.max_blocks]
+            sampled = sampled[: cfg.max_blocks]
         label_mask = torch.ones_like(mask) if cfg.anchor_region == "all" else mask
-        for s in range(0, anchors.numel(), ANCHORS_PER_FORWARD):
-            chunk = anchors[s: s + ANCHORS_PER_FORWARD]
-            blocks = pack_blocks(ids[None], label_mask[None], torch.tensor([ids.numel()]), [chunk], B,
-                                 drafter.mask_token_id).to(device)
-            hidden = draft_packed(drafter, embed, feats[None].to(device, dtype), blocks, backend)[0, :, 1:]
-            logp = torch.log_softmax(head(hidden.to(head.weight.dtype)).float(), -1)
-            top = logp.topk(K, dim=-1)
-            correct, _ = block_correct(top.indices[:, :, 0].cpu(), blocks.labels[0, :, 1:].cpu())
-            streak = metrics.streaks(correct).tolist()
-            for j, p in enumerate(chunk.tolist()):
-                records.append({
-                    "prompt_id": eval_set.ids[i], "anchor": p, "target_tokens": ids[p + 1: p + B].tolist(),
-                    "draft_tokens": top.indices[j, :, 0].tolist(), "topk_ids": top.indices[j].tolist(),
-                    "topk_logprobs": top.values[j].tolist(), "streak": int(streak[j]),
-                })
+        by_anchor: dict[int, dict] = {}
+
+        def draft(anchors: list[int]) -> None:
+            anchors = sorted(set(anchors) - set(by_anchor))
+            for s in range(0, len(anchors), ANCHORS_PER_FORWARD):
+                chunk = torch.tensor(anchors[s: s + ANCHORS_PER_FORWARD], dtype=torch.long)
+                blocks = pack_blocks(ids[None], label_mask[None], torch.tensor([length]), [chunk], B,
+                                     drafter.mask_token_id).to(device)
+                hidden = draft_packed(drafter, embed, feats[None].to(device, dtype), blocks, backend,
+                                      num_blocks=ANCHORS_PER_FORWARD)[0, :, 1:]
+                logp = torch.log_softmax(head(hidden.to(head.weight.dtype)).float(), -1)
+                top = logp.topk(K, dim=-1)
+                # a partial block's slots past the completion hold -1: never a drafted token
+                target = blocks.labels[0, :, 1:].cpu().masked_fill(~blocks.label_mask[0, :, 1:].cpu(), -1)
+                correct, _ = block_correct(top.indices[:, :, 0].cpu(), target)
+                streak = metrics.streaks(correct).tolist()
+                draft_ids, top_ids, top_logp = top.indices[:, :, 0].tolist(), top.indices.tolist(), top.values.tolist()
+                for j, p in enumerate(chunk.tolist()):
+                    by_anchor[p] = {
+                        "prompt_id": eval_set.ids[i], "anchor": p, "target_tokens": ids[p + 1: p + B].tolist(),
+                        "draft_tokens": draft_ids[j], "topk_ids": top_ids[j], "topk_logprobs": top_logp[j],
+                        "streak": int(streak[j]), "left": length - 1 - p, "room": start + cfg.max_new_tokens - 1 - p,
+                        "all_anchors": False, "walk_start": p == start,
+                    }
+
+        whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
+        draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response else []))
+        for p in sampled.tolist():
+            by_anchor[p]["all_anchors"] = True
+        if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
+            for budget in [None, *cfg.ddtree_budgets]:
+                walk(by_anchor, start, budget, missing=lambda p: draft(list(range(p, min(p + B, length - 1)))))
+        records += [by_anchor[p] for p in sorted(by_anchor)]
         progress.update()
     progress.close()
     drafter.train(was_training)
@@ -73,34 +107,60 @@ def block_correct(draft: torch.Tensor, target: torch.Tensor):
 
 
 def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: str = "eval") -> dict:
-    """Micro (per block) and macro (per prompt) means, the tau histogram and a per-prompt table."""
-    if records:
-        correct, _ = block_correct(torch.tensor([r["draft_tokens"] for r in records]),
-                                   torch.tensor([r["target_tokens"] for r in records]))
-        streak = metrics.streaks(correct).tolist()
-    stats = []
-    for n, r in enumerate(records):
-        row = {f"acc@{k}": float(c) for k, c in enumerate(correct[n].tolist(), 1)}
-        row["streak"] = float(streak[n])
-        row["tau"] = streak[n] + 1.0
-        row["full"] = float(streak[n] == block_size - 1)  # every drafted token accepted (tau = B)
-        for b in budgets:
-            row[f"ddtree@{b}"] = float(ddtree_tau(r["topk_ids"], r["topk_logprobs"], r["target_tokens"], b))
-        stats.append(row)
-    keys = list(stats[0]) if stats else []
+    """Metrics of the records, micro (per block) and macro (per prompt), and a per-prompt table.
 
-    def mean(rows, k):
-        return sum(s[k] for s in rows) / max(1, len(rows))
+    The headline `tau`, `full` and `ddtree@N` are over the decoding walk (dflash.evaluate.walk: the blocks
+    live decoding drafts, each scored as it commits; each DDTree budget walks with its own accepted lengths).
+    The mean over a block at every sampled anchor is reported under its own name (`tau_all_anchors`,
+    `full_all_anchors`, `ddtree@N_all_anchors`), as are the slot accuracies `acc@k`: it is the estimator
+    training's random anchors give. The tau histogram is the walk's.
+    """
+    every = [r for r in records if r.get("all_anchors", True)]
+    rows = []
+    if every:
+        correct, _ = block_correct(torch.tensor([r["draft_tokens"] for r in every]),
+                                   torch.tensor([r["target_tokens"] for r in every]))
+        streak = metrics.streaks(correct).tolist()
+    for n, r in enumerate(every):
+        row = {f"acc@{k}": float(c) for k, c in enumerate(correct[n].tolist(), 1)}
+        row["streak_all_anchors"] = float(streak[n])
+        row["tau_all_anchors"] = streak[n] + 1.0
+        row["full_all_anchors"] = float(streak[n] == block_size - 1)  # every drafted token accepted (tau = B)
+        for b in budgets:
+            row[f"ddtree@{b}_all_anchors"] = float(ddtree_tau(r["topk_ids"], r["topk_logprobs"], r["target_tokens"], b))
+        rows.append((r["prompt_id"], row))
+    by_prompt: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_prompt.setdefault(r["prompt_id"], {})[r["anchor"]] = r
+    for pid, by_anchor in by_prompt.items():
+        start = next((a for a, r in by_anchor.items() if r.get("walk_start")), None)
+        if start is None:  # records of an older evaluation: no walk
+            continue
+        for b in [None, *budgets]:
+            for _, tau in walk(by_anchor, start, b):
+                rows.append((pid, {"tau": float(tau), "full": float(tau == block_size)} if b is None else
+                             {f"ddtree@{b}": float(tau)}))
+
+    def means(rs: list[dict]) -> dict:
+        sums, counts = {}, {}
+        for row in rs:
+            for k, v in row.items():
+                sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+        return {k: sums[k] / counts[k] for k in sums}
 
     per_prompt: dict[str, list[dict]] = {}
-    for r, s in zip(records, stats):
-        per_prompt.setdefault(r["prompt_id"], []).append(s)
-    table = {pid: {"blocks": len(rows), **{k: mean(rows, k) for k in keys}} for pid, rows in per_prompt.items()}
-    summary = {f"{prefix}/{k}": mean(stats, k) for k in keys}
-    summary.update({f"{prefix}/{k}_macro": sum(t[k] for t in table.values()) / max(1, len(table)) for k in keys})
-    summary[f"{prefix}/blocks"] = len(records)
+    for pid, row in rows:
+        per_prompt.setdefault(pid, []).append(row)
+    table = {pid: {"blocks": sum("tau" in row for row in rs), "blocks_all_anchors": sum("tau_all_anchors" in row for row in rs),
+                   **means(rs)} for pid, rs in per_prompt.items()}
+    summary = {f"{prefix}/{k}": v for k, v in means([row for _, row in rows]).items()}
+    summary.update({f"{prefix}/{k}_macro": v for k, v in means([{k: v for k, v in t.items() if "blocks" not in k}
+                                                               for t in table.values()]).items()})
+    summary[f"{prefix}/blocks"] = sum("tau" in row for _, row in rows)
+    summary[f"{prefix}/blocks_all_anchors"] = len(every)
     summary[f"{prefix}/prompts"] = len(table)
-    return {"metrics": summary, "tau_histogram": metrics.tau_histogram([s["tau"] for s in stats], block_size),
+    taus = [row["tau"] for _, row in rows if "tau" in row]
+    return {"metrics": summary, "tau_histogram": metrics.tau_histogram(taus, block_size),
             "per_prompt": table, "block_size": block_size, "ddtree_budgets": list(budgets)}
 
 

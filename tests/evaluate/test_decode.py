@@ -81,6 +81,7 @@ def test_stops_at_a_stop_token(tiny_targets):
     first = (plain[0, ids.shape[1]:] == stop).nonzero()[0].item()
     res = speculative_generate(OracleDrafter(target, plain[0].tolist()), target, ids, 30, stop_token_ids=[stop])
     assert res.output_ids[0, -1].item() == stop and res.output_ids.shape[1] == ids.shape[1] + first + 1
+    assert 1 + sum(res.acceptance_lengths) == first + 1  # the drafts accepted past the stop token are not counted
     assert torch.equal(greedy_generate(target, ids, 30, stop_token_ids=[stop]), res.output_ids)
 
 

@@ -81,14 +81,18 @@ def test_oracle_drafter_gets_tau_B_and_random_drafter_about_1(trained, tiny_targ
     oracle = OracleDrafter(target, ids.tolist(), layer_ids=(1, 3), scale=5000.0)  # sharp: ddtree@8 holds the path
     assert oracle.check_head()
     records = teacher_forced(oracle, target.embed_tokens, target.lm_head, eval_set, job.eval)
-    assert records and all(r["streak"] == 7 for r in records)
+    assert records and all(r["streak"] == len(r["target_tokens"]) == 7 for r in records if r["all_anchors"])
     m = summarize(records, 8, [2, 8])["metrics"]
-    assert m["eval/tau"] == 8.0 and m["eval/acc@7"] == 1.0 and m["eval/ddtree@8"] == 8.0 and m["eval/full"] == 1.0
+    assert m["eval/tau_all_anchors"] == 8.0 and m["eval/acc@7"] == 1.0 and m["eval/ddtree@8_all_anchors"] == 8.0
+    assert m["eval/full_all_anchors"] == 1.0
+    # the walk: whole blocks of 8, then what is left of the 40 tokens after the prefill's first (39 = 4 x 8 + 7)
+    assert m["eval/blocks"] == 5 and m["eval/tau"] == 39 / 5 and m["eval/ddtree@8"] == 39 / 5
+    assert m["eval/full"] == 4 / 5
     torch.manual_seed(0)
     rand = build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]), target)
     m = summarize(teacher_forced(rand, target.embed_tokens, target.lm_head, eval_set, job.eval), 8, [2, 8])["metrics"]
     assert 1.0 <= m["eval/tau"] < 1.15 and 1.0 <= m["eval/ddtree@2"] <= m["eval/ddtree@8"]
-    assert m["eval/full"] == 0.0
+    assert 1.0 <= m["eval/tau_all_anchors"] < 1.15 and m["eval/full"] == m["eval/full_all_anchors"] == 0.0
 
 
 def test_full_is_the_share_of_blocks_with_every_drafted_token_accepted():
@@ -98,9 +102,9 @@ def test_full_is_the_share_of_blocks_with_every_drafted_token_accepted():
         return {"prompt_id": "p", "anchor": 0, "target_tokens": target, "draft_tokens": draft,
                 "topk_ids": [[t] for t in draft], "topk_logprobs": [[0.0]] * 4, "streak": 0}
     records = [block([5, 6, 7, 8]), block([5, 6, 7, 0]), block([0, 6, 7, 8]), block([5, 6, 7, 8])]
-    s = summarize(records, 5, [4])
-    assert s["metrics"]["eval/full"] == 0.5 == s["tau_histogram"][-1] / 4
-    assert s["metrics"]["eval/tau"] == (5 + 4 + 1 + 5) / 4
+    s = summarize(records, 5, [4])  # records without walk fields: blocks of the every-anchor mean only
+    assert s["metrics"]["eval/full_all_anchors"] == 0.5
+    assert s["metrics"]["eval/tau_all_anchors"] == (5 + 4 + 1 + 5) / 4
 
 
 def test_outputs_agree_with_blocks_jsonl_and_ddtree_is_monotone(trained, capsys):

@@ -189,7 +189,8 @@ def test_fsdp_trains_and_evaluates_as_ddp_with_the_same_global_batch(ddp_and_fsd
         assert ea.keys() == eb.keys() and all(abs(ea[k] - eb[k]) < 1e-6 for k in ea), (ea, eb)
         ba, bb = ([json.loads(line) for line in (run / "eval" / step / "blocks.jsonl").read_text().splitlines()]
                   for run in (ddp, fsdp))
-        assert len(ba) == len(bb) == ea["eval/blocks"] and all(x["topk_ids"] == y["topk_ids"] for x, y in zip(ba, bb))
+        assert len(ba) == len(bb) and sum(x["all_anchors"] for x in ba) == ea["eval/blocks_all_anchors"]
+        assert all(x["topk_ids"] == y["topk_ids"] for x, y in zip(ba, bb))
         logprobs = [torch.tensor([x["topk_logprobs"] for x in blocks]) for blocks in (ba, bb)]
         assert (logprobs[0] - logprobs[1]).abs().max() < 1e-5
     for run, fsdp_files in ((ddp, False), (fsdp, True)):

@@ -1,0 +1,104 @@
+"""The decoding walk over teacher-forced records equals live decoding, block for block."""
+
+import pytest
+import torch
+
+from dflash.dist import Dist
+from dflash.evaluate import heldout
+from dflash.evaluate.decode import speculative_generate
+from dflash.evaluate.teacher_forced import summarize, teacher_forced
+from dflash.evaluate.walk import walk, walk_tau
+from tests.conftest import compose
+from tests.oracle import OracleDrafter
+
+
+def record(anchor, target, draft, left, room, **kw):
+    return {"prompt_id": "p", "anchor": anchor, "target_tokens": target, "draft_tokens": draft,
+            "topk_ids": [[t] for t in draft], "topk_logprobs": [[0.0]] * len(draft), "streak": 0, "left": left,
+            "room": room, **kw}
+
+
+def test_a_block_commits_no_more_than_the_completion_has_left():
+    # the completion ends 3 tokens after the anchor (its stop token last): a draft that matches all three
+    # commits three, the stop token included; the bonus after it is not kept
+    stopped = record(10, [5, 6, 2], [5, 6, 2, 9], left=3, room=100)
+    assert walk_tau(stopped) == 3 and walk_tau(stopped, budget=4) == 3
+    # cut at eval.max_new_tokens 3 tokens on: live decoding drafts 2 (room - 1) and the bonus fills the room
+    cut = record(10, [5, 6, 7], [5, 6, 7, 9], left=3, room=3)
+    assert walk_tau(cut) == 3 and walk_tau(record(10, [5, 6, 7], [5, 0, 7, 9], left=3, room=3)) == 2
+    assert walk_tau(record(10, [5, 6, 7, 8], [5, 6, 0, 8], left=40, room=50)) == 3
+
+
+def test_the_walk_starts_at_the_response_and_advances_by_each_tau():
+    # anchors 0..5 of a 7-token completion: blocks at 0 (tau 3), 3 (tau 1), 4 (tau 2, the last: left 2)
+    drafts = {0: [1, 2, 9], 1: [9, 9, 9], 2: [9, 9, 9], 3: [9, 9, 9], 4: [5, 6], 5: [6]}
+    truth = [0, 1, 2, 3, 4, 5, 6]
+    records = {p: record(p, truth[p + 1: p + 4], d, left=6 - p, room=6 - p, walk_start=p == 0, all_anchors=p < 4)
+               for p, d in drafts.items()}
+    steps = walk(records, 0)
+    assert [(r["anchor"], tau) for r, tau in steps] == [(0, 3), (3, 1), (4, 2)]
+    s = summarize(list(records.values()), 4, [])
+    m = s["metrics"]
+    assert m["eval/tau"] == 2.0 and m["eval/blocks"] == 3 and m["eval/blocks_all_anchors"] == 4
+    assert m["eval/tau_all_anchors"] == (3 + 1 + 1 + 1) / 4 and s["per_prompt"]["p"]["blocks"] == 3
+    assert s["tau_histogram"] == [1, 1, 1, 0]
+
+
+class One:
+    """The held-out set's i-th sequence alone (an oracle drafter knows one sequence)."""
+
+    def __init__(self, eval_set, i):
+        self.set, self.i, self.ids = eval_set, i, [eval_set.ids[i]]
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, _):
+        return self.set[self.i]
+
+
+def walk_equals_live(job, target, budgets):
+    heldout.prepare(job, target, [1, 3], Dist())
+    eval_set = heldout.load(job, target, [1, 3])
+    stops, checked = target.stop_token_ids(), 0
+    for i in range(len(eval_set)):
+        ids, mask, _ = eval_set[i]
+        start = int(mask.nonzero()[0])
+        oracle = OracleDrafter(target, ids.tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, layer_ids=(1, 3))
+        records = teacher_forced(oracle, target.embed_tokens, target.lm_head, One(eval_set, i), job.eval)
+        by_anchor = {r["anchor"]: r for r in records}
+        for budget in [None, *budgets]:
+            live = speculative_generate(oracle, target, ids[None, :start], job.eval.max_new_tokens,
+                                        tree_budget=budget, stop_token_ids=stops)
+            assert torch.equal(live.output_ids[0], ids)  # the held-out answer is the target's greedy one
+            steps = walk(by_anchor, start, budget)
+            assert [tau for _, tau in steps] == live.acceptance_lengths, (i, budget)
+            if budget is None:  # accepted runs of many lengths: the walk is not trivially every position
+                assert max(live.acceptance_lengths) > 2 and min(live.acceptance_lengths) < 8
+            checked += 1
+        m = summarize(records, oracle.block_size, budgets)["metrics"]
+        assert m["eval/tau"] == pytest.approx(sum(t for _, t in walk(by_anchor, start)) / m["eval/blocks"])
+    return checked
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
+def test_walk_tau_equals_live_tau_per_block_on_the_tiny_targets(name, tiny_targets, tmp_path):
+    """Completions cut at eval.max_new_tokens (random targets seldom stop); DDTree on the attention-only one."""
+    target = tiny_targets[name]
+    budgets = [] if target.is_hybrid else [4, 8]
+    job = compose("evaluate", ["debug=tiny", f"target={name}", "eval.max_new_tokens=40", "eval.max_prompts=2",
+                               f"eval.ddtree_budgets={budgets}", f"features.dir={tmp_path}/cache"])
+    assert walk_equals_live(job, target, budgets) == 2 * (1 + len(budgets))
+
+
+@pytest.mark.slow
+def test_walk_tau_equals_live_tau_on_answers_that_end_their_turn(tmp_path):
+    """The toy target's answers end with <|im_end|>: the last block commits nothing past it."""
+    from dflash.target.loading import load_target
+
+    job = compose("evaluate", ["eval.max_prompts=2", "eval.ddtree_budgets=[]", f"features.dir={tmp_path}/cache"])
+    target = load_target(job.target, torch.device("cpu"))
+    heldout.prepare(job, target, [1, 3], Dist())
+    eval_set = heldout.load(job, target, [1, 3])
+    assert all(int(eval_set[i][0][-1]) in target.stop_token_ids() for i in range(len(eval_set)))
+    assert walk_equals_live(job, target, []) == 2
