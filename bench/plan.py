@@ -19,6 +19,8 @@ them; tests/test_plan.py checks the estimate against measured peaks of real step
 - every sequence has data.max_length tokens and train.num_anchors blocks (the padded shape; flex pads
   the context to a multiple of 256); flex attention saves its output and log-sum-exp, no scores; the sdpa
   path (CPU) saves per chunk of blocks the keys, values and float mask it sees, anchors spread evenly;
+- flex keeps one BlockMask per layer type through the step (int32 tile lists, packed_block_mask); the
+  temporaries that build it are freed before the forward, so they never set the peak;
 - gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward;
 - DDP (world_size > 1) keeps a second copy of the gradients in its buckets; FSDP shards parameters,
   gradients and AdamW state and gathers the whole drafter in the compute dtype (accelerate's default
@@ -75,6 +77,7 @@ class Shape:
     largest_param: int
     tied: bool = False  # the target ties embed_tokens and lm_head (one frozen matrix)
     target_params: int = 0
+    layer_types: tuple[str, ...] = ("full_attention",)  # distinct drafter layer types: one attention mask each
 
 
 @dataclass
@@ -114,6 +117,35 @@ def sdpa_chunks(s: Shape, u: Setup) -> tuple[int, int]:
     return keys, entries
 
 
+DENSE_MASK_BYTES = {"full_attention": 3, "sliding_attention": 20}
+"""Peak bytes per [query, key] entry of create_block_mask's dense build (CPU, torch 2.13, as TensorPeak
+counts; tests/test_plan.py measures it): what a flex mask cost to build before packed_block_mask."""
+BUILD_BYTES = 16  # peak bytes per [query, key tile] entry of packed_block_mask's temporaries (4 x int32)
+
+
+def flex_padded(u: Setup) -> Setup:
+    """The Setup at the shapes draft_packed pads flex batches to (the context to a multiple of 256)."""
+    from dflash.drafter.blocks import flex_padded_shape
+
+    return replace(u, ctx_len=flex_padded_shape(u.ctx_len, u.num_anchors, u.num_anchors)[0])
+
+
+def block_mask_bytes(s: Shape, u: Setup) -> dict[str, int]:
+    """Bytes of a micro-batch's flex BlockMasks, one per layer type, at the padded shape. kept: their int32
+    tensors, kv_num_blocks [b, 1, q_tiles] and kv_indices [b, 1, q_tiles, kv_tiles], the pair for full
+    tiles, and the q-side transposes of both ([b, 1, kv_tiles], [b, 1, kv_tiles, q_tiles]); build: the
+    temporaries packed_block_mask makes for one; dense before: what create_block_mask held for all."""
+    from dflash.drafter.blocks import FLEX_TILE
+
+    u = flex_padded(u)
+    q = u.num_anchors * s.block_size
+    q_tiles, kv_tiles = -(-q // FLEX_TILE), -(-(u.ctx_len + q) // FLEX_TILE)
+    per_mask = 2 * 4 * (q_tiles + kv_tiles + 2 * q_tiles * kv_tiles)
+    return {"kept": u.batch * len(s.layer_types) * per_mask,
+            "build": u.batch * BUILD_BYTES * q_tiles * FLEX_TILE * kv_tiles,
+            "dense before": u.batch * q * (u.ctx_len + q) * sum(DENSE_MASK_BYTES[t] for t in s.layer_types)}
+
+
 def layer_activations(s: Shape, u: Setup) -> float:
     """Bytes one drafter layer saves for backward. An RMSNorm keeps its float32 input and normalised
     output; a tensor feeding n linear layers is kept once in float32, or as n bf16 casts under autocast."""
@@ -134,9 +166,7 @@ def layer_activations(s: Shape, u: Setup) -> float:
 def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes per GPU of each part of a training step, and how the activations change in backward."""
     if u.backend == "flex":  # the shapes draft_packed pads to
-        from dflash.drafter.blocks import flex_padded_shape
-
-        u = replace(u, ctx_len=flex_padded_shape(u.ctx_len, u.num_anchors, u.num_anchors)[0])
+        u = flex_padded(u)
     a, b, H, V, I = u.compute, u.batch, s.hidden, s.vocab, s.intermediate
     q, c, k = b * u.num_anchors * s.block_size, b * u.ctx_len, b * (u.ctx_len + u.num_anchors * s.block_size)
     rows = b * u.num_anchors * (s.block_size - 1)  # labelled slots: what goes through lm_head
@@ -153,6 +183,7 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
         "frozen embed + lm_head": V * H * u.frozen * (1 if s.tied else 2),
         "target model (online)": s.target_params * u.frozen if u.online else 0,
         "feature batch (fp32)": c * s.target_layers * H * 4 * (2 if u.noise else 1),
+        "flex block masks": block_mask_bytes(s, u)["kept"] if u.backend == "flex" else 0,
     }
     per_layer = layer_activations(s, u)
     # the final norm's input and normalised output, the rows fed to lm_head, an unchunked log-softmax:
@@ -186,7 +217,7 @@ def terms(s: Shape, u: Setup) -> dict[str, float]:
 
 
 PERSISTENT = ("drafter parameters (fp32)", "AdamW state (2 x fp32)", "DDP gradient buckets", "frozen embed + lm_head",
-              "target model (online)", "feature batch (fp32)")
+              "target model (online)", "feature batch (fp32)", "flex block masks")
 
 
 def peak(s: Shape, u: Setup) -> tuple[float, str]:
@@ -232,7 +263,8 @@ def drafter_shape(drafter, vocab: int, tied: bool = False, target_params: int = 
                  layers=c.num_hidden_layers, block_size=drafter.block_size, vocab=vocab,
                  target_layers=len(drafter.target_layer_ids), params=sum(p.numel() for p in params),
                  layer_params=sum(p.numel() for p in drafter.layers[0].parameters()),
-                 largest_param=max(p.numel() for p in params), tied=tied, target_params=target_params)
+                 largest_param=max(p.numel() for p in params), tied=tied, target_params=target_params,
+                 layer_types=tuple(sorted(set(drafter.layer_types))))
 
 
 def target_config(cfg):
@@ -296,7 +328,9 @@ def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float]) -> dict:
     for gb in gpu_gb:
         gpus.append({"gpu_gib": gb, "fits": chosen <= gb, "free_gib": gb - chosen, "max_num_anchors": {
             name: max_anchors(shape, replace(setup, checkpointing=ckpt), gb * GiB) for name, ckpt in MODES.items()}})
-    return {"shape": asdict(shape), "setup": asdict(setup), "terms_gib": t, "peak": peaks, "gpus": gpus}
+    masks = {k: v / setup.batch for k, v in block_mask_bytes(shape, setup).items()} if setup.backend == "flex" else {}
+    return {"shape": asdict(shape), "setup": asdict(setup), "terms_gib": t, "peak": peaks, "gpus": gpus,
+            "block_mask_bytes_per_sequence": masks}
 
 
 def render(plan: dict, drafter, title: str) -> str:
@@ -312,6 +346,9 @@ def render(plan: dict, drafter, title: str) -> str:
     lines = [f"memory plan: {title}", head, step, ""]
     lines += [f"  {k:<38} {v:9.2f} GiB" for k, v in plan["terms_gib"].items() if v]
     lines.append(f"  {'fixed allowance (CUDA context, NCCL)':<38} {u['allowance'] / GiB:9.2f} GiB")
+    if masks := plan["block_mask_bytes_per_sequence"]:  # bytes, too few for the GiB table
+        lines.append(f"  block masks a sequence: {masks['kept'] / 2**20:.2f} MiB kept, {masks['build'] / 2**20:.1f} MiB "
+                     f"to build (create_block_mask's dense build: {masks['dense before'] / GiB:.2f} GiB)")
     lines.append(f"  peak = persistent terms + the largest phase, + {u['fragmentation']:.0%} fragmentation + allowance:")
     for name, p in plan["peak"].items():
         chosen = "  (configured)" if (name == "checkpointing") == u["checkpointing"] else ""

@@ -134,3 +134,47 @@ def test_estimate_matches_the_measured_peak_on_cpu(case):
     print(f"{case}: measured {measured / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB ({phase}), "
           f"ratio {estimate / measured:.3f}")
     assert abs(estimate / measured - 1) < 0.15
+
+
+def test_block_mask_bytes_are_those_of_the_real_block_masks():
+    """The plan's block-mask term for the Qwen3.6-27B preset (a sliding and a full mask a sequence) is the
+    bytes of the BlockMasks packed_block_mask builds at that shape, counted in the peak on the flex path;
+    its build figure is the measured peak of the temporaries; the dense figure is what it replaced."""
+    from dflash.drafter.blocks import packed_block_mask
+
+    drafter, shape, setup = plan.build(plan.compose(["experiment=qwen3_6_27b"]))
+    assert shape.layer_types == ("full_attention", "sliding_attention") and setup.backend == "flex"
+    n, size, L = setup.num_anchors, shape.block_size, plan.flex_padded(setup).ctx_len
+    anchors = torch.linspace(0, L - 2, n).round().long()[None]
+    kept = 0
+    for window in (None, 2048):
+        with TensorPeak() as mem:
+            mask = packed_block_mask(anchors, L, size, window)
+        kept += sum(getattr(mask, k).numel() * 4 for k in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                    "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"))
+    got = plan.block_mask_bytes(shape, setup)
+    assert got["kept"] == kept < 2**20
+    assert abs(got["build"] / mem.peak - 1) < 0.1
+    assert got["dense before"] == n * size * (L + n * size) * (3 + 20) > 1000 * kept
+    assert plan.terms(shape, setup)["flex block masks"] == kept and "flex block masks" in plan.PERSISTENT
+    sdpa = replace(setup, backend="sdpa")
+    assert plan.terms(shape, sdpa)["flex block masks"] == 0 and not plan.make_plan(shape, sdpa, [80])[
+        "block_mask_bytes_per_sequence"]
+    out = plan.make_plan(shape, replace(setup, batch=2), [80])
+    assert out["block_mask_bytes_per_sequence"] == got  # per sequence: a batch of 2 holds twice as much
+    assert "block masks a sequence: 0.17 MiB kept" in plan.render(plan.make_plan(shape, setup, [80]), drafter, "x")
+
+
+@pytest.mark.parametrize("window", [None, 256])
+def test_dense_mask_bytes_are_what_create_block_mask_holds(window):
+    """DENSE_MASK_BYTES, the 'before' figure: create_block_mask's peak per [query, key] entry on CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.drafter.blocks import make_mask_mod
+
+    L, n, size = 512, 32, 16
+    mod = make_mask_mod(torch.linspace(0, L - 2, n).round().long()[None], L, size, window)
+    with TensorPeak() as mem:
+        create_block_mask(mod, B=1, H=None, Q_LEN=n * size, KV_LEN=L + n * size, device="cpu")
+    expected = plan.DENSE_MASK_BYTES["full_attention" if window is None else "sliding_attention"]
+    assert abs(mem.peak / (n * size * (L + n * size)) / expected - 1) < 0.1

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 try:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
-    create_block_mask = None
+    BlockMask = None
 
 
 def eligible_anchors(loss_mask: torch.Tensor, region: str = "response") -> torch.Tensor:
@@ -147,6 +147,83 @@ class ChunkedMask:
     """Packed context length: keys [0, ctx_len) are context, the rest are block tokens."""
 
 
+FLEX_TILE = 128
+"""Side of a BlockMask tile (flex attention's default BLOCK_SIZE): the mask lists, per tile of 128
+queries, the tiles of 128 keys holding a visible entry, and apart those where every entry is visible."""
+
+
+def _visible_spans(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                   window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The keys make_mask_mod lets each packed query see, as two intervals [start, end) of key indices:
+    its context (positions < anchor, within the window on sliding layers) and its own block's keys.
+
+    anchors: [b, n]. Returns [(start, end)] * 2, each [b, n*B] int32.
+    """
+    b, n = anchors.shape
+    dev = anchors.device
+    slot = torch.arange(block_size, device=dev)
+    anchor = anchors[:, :, None].expand(b, n, block_size)  # [b, n, B]: each query's anchor
+    own = ctx_len + torch.arange(n, device=dev)[:, None] * block_size  # [n, 1]: key of the block's slot 0
+    ctx_end = anchor.clamp(0, ctx_len)
+    if window is None:  # bidirectional in the block, every context position < anchor
+        ctx_start, own_start, own_end = torch.zeros_like(ctx_end), own, own + block_size
+    else:  # causal window of `window` positions ending at the query (anchor + slot)
+        ctx_start = (anchor + slot - (window - 1)).clamp(min=0)
+        own_start, own_end = own + (slot - (window - 1)).clamp(min=0), own + slot + 1
+    flat = lambda t: t.expand(b, n, block_size).reshape(b, -1).to(torch.int32)
+    return [(flat(ctx_start), flat(ctx_end)), (flat(own_start), flat(own_end))]
+
+
+def _tile_counts(spans: list[tuple[torch.Tensor, torch.Tensor]], kv_len: int, tile: int) -> torch.Tensor:
+    """Visible entries of every (query tile, key tile): [b, q_tiles, kv_tiles] int32.
+
+    spans: disjoint key intervals per query, each [b, q]. The largest temporary is [b, q, kv_tiles],
+    1/tile of the dense [q, kv] mask.
+    """
+    q_len = spans[0][0].shape[1]
+    pad = -q_len % tile  # queries past q_len see nothing, as in create_block_mask's padding
+    kv_tiles = -(-kv_len // tile)
+    edges = (torch.arange(kv_tiles + 1, device=spans[0][0].device, dtype=torch.int32) * tile).clamp(max=kv_len)
+    lo, hi = edges[:-1], edges[1:]
+    count = None
+    for start, end in spans:
+        start, end = (torch.nn.functional.pad(t, (0, pad))[..., None] for t in (start, end))
+        part = (torch.minimum(end, hi) - torch.maximum(start, lo)).clamp(min=0)
+        count = part if count is None else count + part
+    b, q, _ = count.shape
+    return count.view(b, q // tile, tile, kv_tiles).sum(2, dtype=torch.int32)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, q_tiles, kv_tiles] bool -> BlockMask's (num_blocks [b, 1, q_tiles], indices [b, 1, q_tiles,
+    kv_tiles]) int32: each row's listed tiles first, ascending, as create_block_mask orders them."""
+    tiles = tiles[:, None].to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+
+def packed_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
+                      tile: int = FLEX_TILE) -> BlockMask:
+    """The flex BlockMask of the packed rule, built from the layout tile by tile.
+
+    create_block_mask evaluates `mask_mod` on the whole [q, kv] grid first (3 to 20 bytes an entry:
+    gigabytes at 512 anchors and a 3k context); here each query's visible keys are two intervals, so
+    the visible entries per tile follow from interval overlaps. Tiles with every entry visible are
+    listed as full (flex skips mask_mod there), the rest with any visible entry as partial (mask_mod
+    decides each entry), and the same tensors in the same order as create_block_mask's come out.
+    anchors: [b, n]; window: the sliding layers' (None: full attention). Nothing is [q, kv]: the mask's
+    int32 tensors are at most [b, 1, q_tiles, kv_tiles], the largest temporary [b, q, kv_tiles]; nothing
+    is read back to the host.
+    """
+    q_len = anchors.shape[1] * block_size
+    mask_mod = make_mask_mod(anchors, ctx_len, block_size, window)
+    spans = _visible_spans(anchors, ctx_len, block_size, window)
+    count = _tile_counts(spans, ctx_len + q_len, tile)
+    full = count == tile * tile
+    return BlockMask.from_kv_blocks(*_ordered((count > 0) & ~full), *_ordered(full), BLOCK_SIZE=tile,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, ctx_len + q_len))
+
+
 BLOCKS_PER_CHUNK_TOKENS = 256  # queries per chunk: fewer waste keys, more calls; 256 measured best on CPU
 
 
@@ -155,14 +232,14 @@ def packed_attention_masks(blocks: PackedBlocks, layer_types: list[str], window:
     """Per-layer-type masks for the packed forward: a ChunkedMask (sdpa) or a BlockMask (flex)."""
     b, n = blocks.anchors.shape
     B, L = blocks.block_size, blocks.ctx_len
-    q_len = n * B
     dev = blocks.anchors.device
     masks = {}
     for kind in sorted(set(layer_types)):
-        mod = make_mask_mod(blocks.anchors, L, B, window if kind == "sliding_attention" else None)
+        kind_window = window if kind == "sliding_attention" else None
         if backend == "flex":
-            masks[kind] = create_block_mask(mod, B=b, H=None, Q_LEN=q_len, KV_LEN=L + q_len, device=dev)
+            masks[kind] = packed_block_mask(blocks.anchors, L, B, kind_window)
             continue
+        mod = make_mask_mod(blocks.anchors, L, B, kind_window)
         per_chunk = max(1, BLOCKS_PER_CHUNK_TOKENS // B)
         chunks = []
         for first in range(0, n, per_chunk):

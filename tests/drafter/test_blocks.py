@@ -235,3 +235,151 @@ def test_flex_gets_one_dtype_under_autocast(monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         draft_packed(drafter, torch.nn.Embedding(300, 64), feats, blocks, "flex")
     assert seen == [{torch.bfloat16}] * 2
+
+
+BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices")
+# name: (context length, anchors per sequence, block size, sliding window or None, pad for flex, full tiles)
+MASK_CASES = {
+    "full, one partial tile, block 8": (30, [[1, 7, 12, 13, 25, 28]], 8, None, False, False),
+    "full, full tiles, block 16": (300, [list(range(130, 299, 7))], 16, None, False, True),  # q 400, kv 700
+    "sliding, window < context": (300, [list(range(0, 299, 12))], 16, 5, False, False),
+    "sliding, window across tiles": (300, [list(range(3, 299, 9))], 8, 100, False, False),
+    "sliding, window > context": (300, [list(range(130, 299, 7))], 16, 1000, False, True),
+    "batch 2 padded for flex, full": (400, [list(range(140, 398, 9)), [5, 60, 140, 300]], 16, None, True, True),
+    "batch 2 padded for flex, sliding": (400, [list(range(140, 398, 9)), [5, 60, 140, 300]], 8, 64, True, False),
+}
+
+
+def _mask_case(name):
+    """(PackedBlocks, window, expect full tiles) of a MASK_CASES entry; padded as draft_packed pads for flex."""
+    from dflash.drafter.blocks import flex_padded_shape, pad_packed
+
+    L, anchors, block, window, pad, has_full = MASK_CASES[name]
+    b = len(anchors)
+    ids = torch.randint(0, 290, (b, L), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([L] + [max(a) + 2 for a in anchors[1:]])  # later sequences shorter, right-padded
+    blocks = pack_blocks(ids, torch.ones(b, L, dtype=torch.bool), lengths, [torch.tensor(a) for a in anchors],
+                         block, MASK)
+    if pad:
+        blocks, _ = pad_packed(blocks, torch.zeros(b, L, 1), *flex_padded_shape(L, blocks.anchors.shape[1]), MASK)
+    return blocks, window, has_full
+
+
+def _create_block_mask(blocks, window):
+    """The BlockMask torch builds from the dense mask: what the flex path used before packed_block_mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.drafter.blocks import make_mask_mod
+
+    (b, n), size, L = blocks.anchors.shape, blocks.block_size, blocks.ctx_len
+    mod = make_mask_mod(blocks.anchors, L, size, window)
+    return create_block_mask(mod, B=b, H=None, Q_LEN=n * size, KV_LEN=L + n * size, device=blocks.anchors.device)
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_block_mask_equals_the_one_create_block_mask_builds(name):
+    """packed_block_mask, built tile by tile from the layout, equals create_block_mask's mask of the same rule:
+    the same partial and full tiles in the same order, both ways (q-side for backward), the same mask_mod."""
+    from dflash.drafter.blocks import packed_attention_masks
+
+    blocks, window, has_full = _mask_case(name)
+    kind = "full_attention" if window is None else "sliding_attention"
+    new = packed_attention_masks(blocks, ["sliding_attention", "full_attention"], window, "flex")[kind]
+    ref = _create_block_mask(blocks, window)
+    for attr in BLOCK_MASK_TENSORS:
+        assert torch.equal(getattr(new, attr), getattr(ref, attr)), attr
+    assert (new.seq_lengths, new.BLOCK_SIZE) == (ref.seq_lengths, ref.BLOCK_SIZE)
+    assert torch.equal(new.to_dense(), ref.to_dense())
+    assert new.mask_mod.window == window
+    assert (int(new.full_kv_num_blocks.sum()) > 0) == has_full and int(new.kv_num_blocks.sum()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 64])
+def test_compiled_flex_gives_the_same_attention_with_either_mask(window):
+    """Compiled flex (CPU) skips the tiles a BlockMask leaves out and the mask_mod of full tiles, so a tile
+    wrongly left out or marked full changes its output (uncompiled flex reads only mask_mod): with
+    packed_block_mask it equals flex with create_block_mask's mask and sdpa with the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.drafter.blocks import make_mask_mod, packed_block_mask
+
+    blocks, _, _ = _mask_case("batch 2 padded for flex, full")
+    (b, n), size, L = blocks.anchors.shape, blocks.block_size, blocks.ctx_len
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, 2, n * size, 16, generator=g)
+    k, v = torch.randn(2, b, 2, L + n * size, 16, generator=g)
+    flex = torch.compile(flex_attention, dynamic=False)
+    with torch.no_grad():
+        new = flex(q, k, v, block_mask=packed_block_mask(blocks.anchors, L, size, window))
+        ref = flex(q, k, v, block_mask=_create_block_mask(blocks, window))
+        dense = make_mask_mod(blocks.anchors, L, size, window)(torch.arange(b)[:, None, None, None], 0,
+                                                              torch.arange(n * size)[None, None, :, None],
+                                                              torch.arange(L + n * size)[None, None, None, :])
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert (new - ref).abs().max() < 1e-5 and (new - sdpa).abs().max() < 1e-5
+
+
+def test_block_mask_of_a_large_layout_never_builds_the_dense_mask(monkeypatch):
+    """512 anchors x 16 on a 3072-token context (the Qwen3.6-27B preset's sequence): create_block_mask held
+    20 bytes a [query, key] entry (1.8 GB for the sliding mask); the tile-by-tile build stays under a
+    quarter byte an entry, a fraction of even a dense bool mask, and never calls torch's dense builders."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from bench.measure import TensorPeak
+    from dflash.drafter.blocks import FLEX_TILE, packed_attention_masks
+
+    def dense(*args, **kwargs):
+        raise AssertionError("the flex mask path built the dense [q, kv] mask")
+
+    monkeypatch.setattr(flex_module, "create_block_mask", dense)
+    monkeypatch.setattr(flex_module, "create_mask", dense)
+    L, n, size = 3072, 512, 16
+    ids = torch.zeros(1, L, dtype=torch.long)
+    anchors = torch.linspace(0, L - 2, n).round().long()
+    blocks = pack_blocks(ids, torch.ones(1, L, dtype=torch.bool), torch.tensor([L]), [anchors], size, MASK)
+    q_len, kv_len = n * size, L + n * size
+    with TensorPeak() as mem:
+        masks = packed_attention_masks(blocks, ["sliding_attention", "full_attention"], 2048, "flex")
+    assert mem.peak < q_len * kv_len / 4, (mem.peak, mem.peak_op)
+    tiles = -(-q_len // FLEX_TILE) * -(-kv_len // FLEX_TILE)
+    for mask in masks.values():
+        assert max(getattr(mask, attr).numel() for attr in BLOCK_MASK_TENSORS) == tiles
+        assert int(mask.kv_num_blocks.sum()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_block_mask_on_cuda_at_the_preset_shape():
+    """On CUDA, at 512 anchors x 16 on a 3072-token context: the tile-by-tile mask equals create_block_mask's,
+    its build stays under 64 MiB of device memory (the dense build took gigabytes), and compiled flex
+    gives the same forward and backward with either mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.drafter.blocks import packed_block_mask
+
+    L, n, size, dev = 3072, 512, 16, torch.device("cuda")
+    anchors = torch.linspace(0, L - 2, n).round().long()
+    blocks = pack_blocks(torch.zeros(1, L, dtype=torch.long), torch.ones(1, L, dtype=torch.bool), torch.tensor([L]),
+                         [anchors], size, MASK).to(dev)
+    flex = torch.compile(flex_attention, dynamic=False)
+    for window in (None, 2048):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        new = packed_block_mask(blocks.anchors, L, size, window)
+        assert torch.cuda.max_memory_allocated() - base < 64 * 2**20
+        ref = _create_block_mask(blocks, window)
+        for attr in BLOCK_MASK_TENSORS:
+            assert torch.equal(getattr(new, attr), getattr(ref, attr)), attr
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(1, 4, n * size, 64, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, 4, L + n * size, 64, device=dev, dtype=torch.bfloat16, generator=g,
+                            requires_grad=True) for _ in range(2))
+        grads = []
+        for mask in (new, ref):
+            out = flex(q, k, v, block_mask=mask)
+            grads.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+        for got, want in zip(*grads):  # the same tiles in the same order: equal up to bf16 accumulation order
+            assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
