@@ -22,9 +22,9 @@ from dflash.evaluate.plots import save_plots
 from dflash.evaluate.summary import log_eval, print_summary
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
 from dflash.layout import RunLayout, step_name
+from dflash.locate import check_complete, checkpoint_step, resolve_checkpoint, training_manifest
 from dflash.provenance import check_trained_on, live_features
 from dflash.tracking import RunLogger, latest_run, setup_logging
-from dflash.train import checkpoints as ckpt
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,9 @@ def evaluate(job: JobConfig) -> dict:
 
     setup_logging()
     run = find_run(job, job.checkpoint)
-    path = ckpt.resolve_checkpoint(run, job.checkpoint)
-    ckpt.check_complete(path)
-    step = ckpt.checkpoint_step(path)
+    path = resolve_checkpoint(run, job.checkpoint)
+    check_complete(path)
+    step = checkpoint_step(path)
     drafters = {f"step{step}" if step is not None else path.name: (path, load_drafter(str(path)).float())}
     for ref in job.eval.compare:
         drafters[Path(ref).name] = (Path(ref), load_drafter(ref).float())
@@ -97,11 +97,11 @@ def evaluate(job: JobConfig) -> dict:
     for label, (p, d) in drafters.items():
         check_fits(d, target, source=f"drafter {p}")
         d.to(target.device)
-    dist = current()
+    dist = current(job.train.collective_timeout_minutes)
     summaries, extra = {}, {"checkpoint": str(path), "step": step, "mode": job.eval.mode}
     allowed = extra.setdefault("provenance_allowed", {})
     for label, (p, drafter) in drafters.items():
-        trained_on = ckpt.training_manifest(p)
+        trained_on = training_manifest(p)
         if job.eval.mode == "live":
             from dflash.evaluate.live import live_eval
 
@@ -124,7 +124,7 @@ def evaluate(job: JobConfig) -> dict:
             write_outputs(main_out / "compare" / label, records, summary, extra)
     images = save_plots(main_out, summaries) if job.eval.plots else {}
     print_summary(summaries, job.eval.mode)
-    if run is not None and step is not None and ckpt.training_manifest(path) is not None:
+    if run is not None and step is not None and training_manifest(path) is not None:
         logger = RunLogger(run, job.logger, job, job_type="eval")
         log_eval(logger, next(iter(summaries.values())), step, images)
         logger.finish()
