@@ -186,7 +186,6 @@ class RunLogger:
         run.define_metric("train/step")
         run.define_metric("train/*", step_metric="train/step")
         run.define_metric("eval/*", step_metric="train/step")
-        run.define_metric("eval/tau", step_metric="train/step", summary="max")  # the best held-out tau
         return run
 
     def log(self, metrics: dict, step: int) -> None:

@@ -72,7 +72,9 @@ def _read_offline_run(folder):
                for r in recs if kind(r) == "history"]
     return {"runs": [r.run for r in recs if kind(r) == "run"], "history": history,
             "metrics": [r.metric for r in recs if kind(r) == "metric"],
-            "artifacts": [r.artifact for r in recs if kind(r) == "artifact"]}
+            "artifacts": [r.artifact for r in recs if kind(r) == "artifact"],
+            "summary": [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update}
+                        for r in recs if kind(r) == "summary"]}
 
 
 @pytest.mark.slow
@@ -90,6 +92,8 @@ def test_offline_train_and_eval_folders_sync_into_one_run(tmp_path):
               f"features.dir={tmp_path}/cache/features"]
     for script, extra in (("train.py", ["train.max_steps=4", "train.save_every=2"]),
                           ("evaluate.py", ["checkpoint=step2"])):
+        if script == "evaluate.py":  # a better checkpoint on record: step 2, evaluated last, is worse
+            (tmp_path / "runs/w/checkpoints/best.json").write_text(json.dumps({"step": 4, "tau": 5.0}))
         result = subprocess.run([sys.executable, str(REPO / script), *common, *extra], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -101,9 +105,13 @@ def test_offline_train_and_eval_folders_sync_into_one_run(tmp_path):
     for part in (train, evaluation):
         assert [(r.run_id, r.project) for r in part["runs"]] == [(wandb_id, "dflash")]
         assert any(m.glob_name == "eval/*" and m.step_metric == "train/step" for m in part["metrics"])
-        assert any(m.name == "eval/tau" and m.summary.max for m in part["metrics"])
+        assert not any(m.name == "eval/tau" and m.summary.max for m in part["metrics"])  # not W&B's own max
     assert any("train/loss" in h for h in train["history"])
     assert [h["train/step"] for h in train["history"] if "eval/tau" in h] == [0, 4]
     assert [h["train/step"] for h in evaluation["history"] if "eval/tau" in h] == [2]
+    assert [h["eval/tau"] < 5.0 for h in evaluation["history"] if "eval/tau" in h] == [True]
+    # the summary the synced run ends on is the run folder's best, not the worse checkpoint evaluated last
+    last = [u for u in evaluation["summary"] if "eval/tau" in u][-1]
+    assert (last["eval/tau"], last["eval/best_step"]) == (5.0, 4)
     models = [a for a in train["artifacts"] if a.type == "model"]
     assert len(models) == 2 and all(e.ref.startswith("file://") for a in models for e in a.manifest.contents)

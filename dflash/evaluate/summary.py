@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dflash.io import read_json
+
 
 def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = None) -> None:
     """eval/* scalars at the checkpoint's training step; per-position accuracy as a table (plots
@@ -12,6 +14,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
     logger.log(summary["metrics"], step)
     if logger.wandb is None or summary.get("mode") == "live":
         return
+    logger.summary(best_summary(logger.run, summary["metrics"]["eval/tau"], step))
     import wandb
 
     B = summary["block_size"]
@@ -23,7 +26,17 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
         "eval/tau_hist": wandb.plot.bar(hist, "tau", "blocks", title=f"tau histogram (step {step})"),
     }
     media.update({f"eval/{name}": wandb.Image(str(path)) for name, path in (images or {}).items()})
-    logger.log_media(media, step)  # the best eval/tau is W&B's own summary (define_metric summary="max")
+    logger.log_media(media, step)
+
+
+def best_summary(run, tau: float, step: int) -> dict:
+    """The run's best held-out tau for W&B's summary: the run folder's record (best.json) or this evaluation's,
+    whichever is higher. Not W&B's summary="max", which each process computes over its own history: an
+    evaluate.py of an older, worse checkpoint (offline, synced after the training) would end on its value."""
+    best = read_json(run.best) if run.best.exists() else None
+    if best is not None and best.get("tau") is not None and best["tau"] >= tau:
+        tau, step = best["tau"], best["step"]
+    return {"eval/tau": tau, "eval/best_step": step}
 
 
 def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:

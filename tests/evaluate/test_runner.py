@@ -198,20 +198,28 @@ def test_eval_lands_in_the_training_run_at_its_step(tmp_path, fake_wandb):
     info = json.loads((run / "run.json").read_text())
     train_run = fake_wandb["runs"][0]
     assert info["wandb_id"] == train_run.id and ("eval/*", "train/step") in train_run.metrics
-    assert train_run.summaries == {"eval/tau": "max"}  # the best tau is W&B's summary, not kept by hand
+    assert train_run.summaries == {}  # the best tau is set from best.json, not W&B's per-process "max"
+    taus = {d["train/step"]: d["eval/tau"] for d in train_run.logged if "eval/tau" in d}
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best == {"step": 4, "tau": taus[4]}
+    best_summary = {k: train_run.summary[k] for k in ("eval/tau", "eval/best_step")}
+    assert best_summary == ({"eval/tau": taus[4], "eval/best_step": 4} if taus[4] >= taus[0] else
+                            {"eval/tau": taus[0], "eval/best_step": 0})
     # each checkpoint as a model artifact referencing its folder (no upload): latest, step-N, best
     [(art2, aliases2), (art4, aliases4)] = train_run.artifacts
     assert art2.type == "model" and aliases2[:2] == ["latest", "step-2"] and aliases4[:2] == ["latest", "step-4"]
     folder = (run / "checkpoints/step-000004").resolve()
     refs = sorted(e.ref for e in art4.manifest.entries.values())
     assert "best" in aliases4 and refs == sorted(p.resolve().as_uri() for p in folder.rglob("*") if p.is_file())
+    (run / "checkpoints" / "best.json").write_text(json.dumps({"step": 4, "tau": 5.0}))  # a better checkpoint on record
     evaluate(eval_job(tmp_path, "run.name=w", "logger=wandb_offline", "checkpoint=step2"))
     init = fake_wandb["init"][-1]
     assert init["id"] == info["wandb_id"] and init["resume"] == "allow" and init["job_type"] == "eval"
     eval_run = fake_wandb["runs"][-1]
     assert ("eval/*", "train/step") in eval_run.metrics
     scalars = [d for d in eval_run.logged if "eval/tau" in d]
-    assert len(scalars) == 1 and scalars[0]["train/step"] == 2
+    assert len(scalars) == 1 and scalars[0]["train/step"] == 2 and scalars[0]["eval/tau"] < 5.0
+    assert eval_run.summary == {"eval/tau": 5.0, "eval/best_step": 4}  # the worse checkpoint, evaluated last
     assert any("eval/acc_per_position" in d for d in eval_run.logged)
     assert json.loads((run / "run.json").read_text())["wandb_id"] == info["wandb_id"]
 
