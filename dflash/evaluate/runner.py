@@ -19,7 +19,7 @@ from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, NotFoundError
 from dflash.evaluate import heldout
 from dflash.evaluate.plots import save_plots
-from dflash.evaluate.summary import log_eval, print_summary
+from dflash.evaluate.summary import log_eval, print_summary, train_gap
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
 from dflash.layout import RunLayout, step_name
 from dflash.locate import check_complete, checkpoint_step, resolve_checkpoint, training_manifest
@@ -40,6 +40,7 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
         summary["metrics"]["eval/flex_compiles"] = flex_compile_count() - compiled
         log.info("evaluation at step %d compiled %d flex graphs (%d in this process)", step,
                  flex_compile_count() - compiled, flex_compile_count())
+    summary["metrics"].update(train_gap(run, step, summary["metrics"]))
     out_dir = run.eval_dir(step_name(step))
     write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced"})
     images = save_plots(out_dir, {f"step {step}": summary}) if job.eval.plots else {}
@@ -115,6 +116,8 @@ def evaluate(job: JobConfig) -> dict:
                                               "the held-out features", p)
             records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
             summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
+            if label == next(iter(drafters)) and step is not None:
+                summary["metrics"].update(train_gap(run, step, summary["metrics"]))
         summaries[label] = summary
         if label == next(iter(drafters)):
             name = (step_name(step) if step is not None else p.name) + ("-live" if job.eval.mode == "live" else "")

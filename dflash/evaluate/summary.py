@@ -39,6 +39,36 @@ def best_summary(run, tau: float, step: int) -> dict:
     return {"eval/tau": tau, "eval/best_step": step}
 
 
+def train_gap(run, step: int, metrics: dict) -> dict:
+    """Training's metrics next to held-out ones, in the same units: the train window (train/tau, train/acc@1: means
+    over randomly sampled anchors) logged nearest `step` against the held-out every-anchor mean (the same
+    estimator), and their ratios (`eval/gap_tau`, `eval/gap_acc@1`: held-out over train). {} without train metrics
+    (step 0, a foreign drafter)."""
+    from dflash.tracking import read_metrics
+
+    rows = [r for r in read_metrics(run) if "train/tau" in r] if run is not None else []
+    if not rows or "eval/tau_all_anchors" not in metrics:
+        return {}
+    near = min(rows, key=lambda r: (abs(r["step"] - step), -r["step"]))
+    out = {"eval/train_step": near["step"], "eval/train_tau": near["train/tau"],
+           "eval/train_acc@1": near["train/acc@1"],
+           "eval/gap_tau": metrics["eval/tau_all_anchors"] / near["train/tau"]}
+    if near["train/acc@1"] > 0:
+        out["eval/gap_acc@1"] = metrics["eval/acc@1"] / near["train/acc@1"]
+    return out
+
+
+def print_gap(label: str, m: dict, out=None) -> None:
+    """One line: the train window's tau and acc@1 beside the held-out ones (every anchor, then the walk)."""
+    if "eval/gap_tau" not in m:
+        return
+    acc = f", acc@1 {m['eval/acc@1']:.3f} vs {m['eval/train_acc@1']:.3f}" + (
+        f" ({m['eval/gap_acc@1']:.0%})" if "eval/gap_acc@1" in m else "")
+    (out or sys.stdout).write(
+        f"{label}: held-out every-anchor tau {m['eval/tau_all_anchors']:.3f} vs train {m['eval/train_tau']:.3f} "
+        f"(window at step {m['eval/train_step']}: {m['eval/gap_tau']:.0%}){acc}; decoding-walk tau {m['eval/tau']:.3f}\n")
+
+
 def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:
     """One row per drafter. Teacher-forced: tau over the decoding walk (micro, macro), the walk's share of
     blocks accepted in full, tau over every anchor (tau_all), acc@1, acc@B/2, acc@B-1 (every anchor),
@@ -61,6 +91,9 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
                  *[m[f"eval/ddtree@{n}"] for n in budgets], m["eval/blocks"]]
                 for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
     print_table(rows, header, out)
+    if mode != "live":
+        for label, summary in summaries.items():
+            print_gap(label, summary["metrics"], out)
 
 
 def print_table(rows: list[list], header: list[str], out=None) -> None:

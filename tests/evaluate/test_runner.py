@@ -113,13 +113,20 @@ def test_outputs_agree_with_blocks_jsonl_and_ddtree_is_monotone(trained, capsys)
     out = run / "eval" / "step-000004"
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "blocks.jsonl").read_text().splitlines()]
-    assert summarize(records, 8, [2, 8]) == {k: summary[k] for k in ("metrics", "tau_histogram", "per_prompt",
-                                                                     "block_size", "ddtree_budgets")}
+    from_records = {k: summary[k] for k in ("metrics", "tau_histogram", "per_prompt", "block_size", "ddtree_budgets")}
+    gap = ("eval/train_", "eval/gap_")  # from the run's train metrics, not from the records
+    from_records["metrics"] = {k: v for k, v in summary["metrics"].items() if not k.startswith(gap)}
+    assert summarize(records, 8, [2, 8]) == from_records
     assert metrics == summary["metrics"] and summary["metrics"]["eval/prompts"] == 2
     assert set(records[0]) >= {"prompt_id", "anchor", "target_tokens", "draft_tokens", "topk_ids", "streak"}
     assert 1.0 <= metrics["eval/ddtree@2"] <= metrics["eval/ddtree@8"]  # nested trees: never falls with N
     assert (out / "acc_per_position.png").exists() and (out / "tau_histogram.png").exists()
-    assert "step4" in capsys.readouterr().out
+    # the train/eval gap: the train window nearest step 4 against the same (every-anchor) estimator held out
+    window = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/tau" in r][-1]
+    assert window["step"] == metrics["eval/train_step"] == 4 and metrics["eval/train_tau"] == window["train/tau"]
+    assert metrics["eval/gap_tau"] == pytest.approx(metrics["eval/tau_all_anchors"] / window["train/tau"])
+    printed = capsys.readouterr().out
+    assert "step4" in printed and f"held-out every-anchor tau {metrics['eval/tau_all_anchors']:.3f}" in printed
 
 
 def test_reference_drafter_evaluates_next_to_the_checkpoint(trained, capsys):
