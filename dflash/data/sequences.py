@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import CompletionsConfig
-from dflash.data.completions import completion_ids, obtain, text_sha
+from dflash.data.completions import completion_ids, end_of_turn_id, obtain, text_sha
 from dflash.data.prompts import Prompt, encode, prompt_text, prompts_hash
 from dflash.dist import Dist
 from dflash.errors import DataError
@@ -71,7 +71,7 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     # fingerprinting a 250k-token tokenizer such as Qwen3.5's takes seconds)
     settings = ({} if completions.source == "cached"
                 else generation_settings(target, completions, chat_template, enable_thinking))
-    eos_id = target.tokenizer.convert_tokens_to_ids("<|im_end|>") if target.tokenizer else None
+    eos_id = end_of_turn_id(target.tokenizer) if target.tokenizer else None
     records = obtain(completions, store, [(prompts[i].id, texts[i]) for i in fits], settings, dist,
                      target=target, model=completions.model or str(target.path), eos_id=eos_id)
     sequences = []

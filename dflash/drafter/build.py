@@ -26,6 +26,10 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from)
         check_fits(drafter, target, source=f"drafter.init_from={cfg.init_from}")
+        if "sliding_attention" in drafter.layer_types:
+            # from here on it trains with the served rule: say so in every checkpoint, or each one would be
+            # flagged on load as trained before it (a published drafter's config.json lacks the key)
+            drafter.config.dflash_sliding_attention = SLIDING_RULE
         return drafter.float()
     config = drafter_config(
         target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
@@ -51,8 +55,8 @@ def load_drafter(path: str) -> DFlashDraftModel:
                                 f"complete drafter in z-lab layout (config.json + model.safetensors)")
     try:
         drafter = DFlashDraftModel.from_pretrained(str(root))
-    except ValueError as e:  # the strict load: it names the weights that do not match config.json
-        raise CheckpointError(str(e)) from e
+    except ValueError as e:  # the strict load names the weights that do not match config.json; config checks
+        raise CheckpointError(str(e) if str(root) in str(e) else f"{root}/config.json: {e}") from e
     except Exception as e:  # safetensors and json errors name neither the file nor the drafter
         raise CheckpointError(f"cannot load the drafter in {root} ({type(e).__name__}: {str(e)[:200]}); a file there "
                               f"is truncated or corrupt. Use another checkpoint (e.g. checkpoint=step<N>) or "

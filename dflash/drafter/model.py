@@ -100,6 +100,20 @@ def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -
     return ((dist >= 0) & (dist < window))[:, None]
 
 
+def check_sliding_window(config: Qwen3Config) -> None:
+    """Refuse sliding_attention layers without a window: packed masks would make them full attention in
+    training and evaluation, and live decoding would fail. Qwen3Config nulls `sliding_window` whenever
+    `use_sliding_window` is false, so a config.json can hold a window and still lose it."""
+    types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding and getattr(config, "sliding_window", None) is None:
+        raise ValueError(
+            f"drafter layers {sliding} are sliding_attention but sliding_window is null (transformers sets it "
+            f"to null when use_sliding_window is false): set sliding_window to the window size and "
+            f"use_sliding_window to true (drafter.sliding_window, or config.json), or make those layers "
+            f"full_attention in layer_types")
+
+
 class DFlashAttention(nn.Module):
     """Queries from the block; keys/values from cat(context, block), one set of projections."""
 
@@ -203,6 +217,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
             raise ValueError("drafter config.json needs dflash_config.target_layer_ids and "
                              "dflash_config.mask_token_id")
+        check_sliding_window(config)
         self.target_layer_ids = list(dflash["target_layer_ids"])
         self.mask_token_id = int(dflash["mask_token_id"])
         self.block_size = int(getattr(config, "block_size", dflash.get("block_size", 16)))

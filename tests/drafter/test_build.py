@@ -49,3 +49,30 @@ def test_config_holds_both_spellings_of_the_rope_and_dtype_keys(tmp_path):
     noise, feats, pos = inputs()
     with torch.no_grad():
         assert torch.equal(load_drafter(str(tmp_path))(noise, feats, pos), model(noise, feats, pos))
+
+
+def test_a_fine_tune_of_a_published_drafter_is_stamped_with_the_served_sliding_rule(tmp_path, caplog):
+    """A published drafter's config.json has no dflash_sliding_attention; the fine-tune trains with the served
+    rule, so its checkpoints say so and load without the warning meant for drafters trained before the rule."""
+    from types import SimpleNamespace
+
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter
+    from dflash.drafter.model import SLIDING_RULE
+
+    published = tmp_path / "published"
+    make_drafter(["sliding_attention", "full_attention"], 6).save_pretrained(published)
+    config = json.loads((published / "config.json").read_text())
+    del config["dflash_sliding_attention"]
+    (published / "config.json").write_text(json.dumps(config))
+    target = SimpleNamespace(hidden_size=64, num_layers=12, vocab_size=300)
+    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=8, init_from=str(published)), LayersConfig(num=3),
+                            target)
+    assert drafter.config.dflash_sliding_attention == SLIDING_RULE
+    checkpoint = tmp_path / "checkpoints/step-000010"
+    save_drafter(drafter, checkpoint)
+    (checkpoint / "train_state").mkdir()
+    (checkpoint / "train_state/manifest.json").write_text("{}")  # a checkpoint dflash trained
+    with caplog.at_level("WARNING"):
+        load_drafter(str(checkpoint))
+    assert "before its sliding-attention layers followed the served rule" not in caplog.text

@@ -260,3 +260,20 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert losses[0] == pytest.approx(losses[1], abs=1e-7)
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-6), name
+
+
+def test_sliding_layers_without_a_window_are_refused_naming_the_fix(tmp_path):
+    """Qwen3Config nulls sliding_window when use_sliding_window is false: such a sliding layer would train and
+    evaluate as full attention and fail in live decoding, so neither building nor loading it goes through."""
+    import json
+
+    cfg = drafter_config(TARGET, num_layers=2, block_size=8, target_layer_ids=[1, 5, 9], mask_token_id=299,
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=None)
+    with pytest.raises(ValueError, match=r"drafter layers \[0\] are sliding_attention but sliding_window is null.*"
+                                         r"set sliding_window.*or make those layers full_attention"):
+        DFlashDraftModel(cfg)
+    make_drafter(["sliding_attention", "full_attention"], 6).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))  # window: 6, kept
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/config.json: drafter layers \[0\] are sliding_attention"):
+        load_drafter(str(tmp_path))
