@@ -49,5 +49,9 @@ class TrainingError(DFlashError, RuntimeError):
     """Training cannot continue; the message names the step, the batch and what to do."""
 
 
+class DistributedError(DFlashError, RuntimeError):
+    """The processes of a launch cannot go on together: one failed, fell silent or never arrived."""
+
+
 class LosslessError(DFlashError, AssertionError):
     """Speculative decoding produced a different output than plain decoding of the target."""

@@ -81,6 +81,9 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     """dtype of a checkpoint's servable model.safetensors (bfloat16, as published drafters ship, or float32);
     train_state/ always keeps the float32 weights, so resuming is exact either way."""
+    collective_timeout_minutes: float = 30.0
+    """How long a collective (and a short barrier) waits for every process before the run aborts; waits after
+    per-process work of any length (completions, extraction, in-run evaluation) do not depend on it."""
 
     def __post_init__(self) -> None:
         one_of("train.mode", self.mode, {"offline", "online"})
@@ -92,6 +95,7 @@ class TrainConfig:
                     "save_every", "keep_last"):
             positive(f"train.{key}", getattr(self, key))
         positive("train.num_workers", self.num_workers, allow_zero=True)
+        positive("train.collective_timeout_minutes", self.collective_timeout_minutes)
 
 
 @dataclass

@@ -7,7 +7,8 @@ were made with, so a crashed run resumes where it stopped and a changed setting 
 instead of silently mixed in.
 
 Store records: {"id", "prompt_sha", "completion" (text), "completion_ids" (token ids, with the
-stop token when generation stopped), "finish_reason"}. A user-supplied cached file only needs
+stop token when generation stopped on one), "finish_reason" ("stop" or "length"), "stop_reason" (the stop
+token id or stop string it stopped on)}. A user-supplied cached file only needs
 "id" and "completion"; give "finish_reason": "stop" for a completion that ended its turn, so its
 end-of-turn token is labelled (without it the text is taken as cut short).
 """
@@ -119,28 +120,55 @@ def merge_parts(path: Path) -> None:
 
 
 def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list[int]) -> list[dict]:
-    """Greedy completions from the in-process target; left-padded batches."""
+    """Greedy completions from the in-process target; left-padded batches.
+
+    Each row keeps the tokens the target wrote up to where that row stopped (a stop id, a stop
+    string of `data.completions.stop`, or max_new_tokens), never the padding `generate` puts
+    after a finished row, so a batch gives what each prompt gives alone."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
     tok = target.tokenizer
     side, tok.padding_side = tok.padding_side, "left"
     try:
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     finally:
         tok.padding_side = side
-    extra = {"stop_strings": list(cfg.stop), "tokenizer": tok} if cfg.stop else {}
+    strings = StopStringCriteria(tok, list(cfg.stop)) if cfg.stop else None
+    extra = {"stopping_criteria": StoppingCriteriaList([strings])} if strings is not None else {}
     with torch.no_grad():
         out = target.model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False,
                                     eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, **extra)
     results = []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        ids, reason = [], "length"
-        for t in row:
-            ids.append(t)
-            if t in stop_ids:
-                reason = "stop"
-                break
-        results.append({"completion_ids": ids, "finish_reason": reason,
-                        "completion": tok.decode(ids, skip_special_tokens=True)})
+    for ids, reason in zip(*_stop_points(out, enc["input_ids"].shape[1], stop_ids, strings)):
+        text = tok.decode(ids, skip_special_tokens=True)
+        if reason == "string":  # name it, as a server does (it can lie across the prompt's end: then unnamed)
+            reason = next((s for s in cfg.stop if s in text), reason)
+        results.append({"completion_ids": ids, "finish_reason": "length" if reason is None else "stop",
+                        "stop_reason": reason, "completion": text})
     return results
+
+
+def _stop_points(out: torch.Tensor, start: int, stop_ids: list[int],
+                 strings=None) -> tuple[list[list[int]], list[int | str | None]]:
+    """Each row's generated ids up to the token where it stopped, and why: the stop id, "string" (the
+    StopStringCriteria `strings` matched there), or None (it ran to the end: max_new_tokens).
+
+    out: [batch, start + new] prompt then generated ids, as `generate` returns them. The checks generation
+    made run again on each prefix, so a row's first hit is where it stopped; what follows is padding, whatever
+    its id (a pad that is also a stop id must not read as a stop the target wrote)."""
+    gen = out[:, start:]
+    by_id = torch.isin(gen, torch.tensor(stop_ids, dtype=out.dtype, device=out.device))  # [batch, new]
+    hits = by_id.clone()
+    if strings is not None:
+        for k in range(gen.shape[1]):
+            hits[:, k] |= strings(out[:, : start + k + 1], None)
+    rows, by_id, hits = gen.tolist(), by_id.tolist(), hits.tolist()
+    ids, reasons = [], []
+    for row, ids_hit, hit in zip(rows, by_id, hits):
+        k = hit.index(True) if True in hit else None
+        ids.append(row if k is None else row[: k + 1])
+        reasons.append(None if k is None else row[k] if ids_hit[k] else "string")
+    return ids, reasons
 
 
 def _request(url: str, payload: dict | None, timeout: float) -> dict:
@@ -167,6 +195,15 @@ def wait_for_server(cfg: CompletionsConfig) -> None:
                 f"data.completions.url; data.completions.ready_timeout_s sets how long to wait")
         time.sleep(delay)
         delay = min(delay * 2, 5.0)
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id a server means when it says it stopped on end-of-sequence without naming a token: the target
+    tokenizer's own eos (vLLM reports stop_reason null exactly for it and names any other stop token's id),
+    also what a cached record's finish_reason "stop" labels. Not a fixed `<|im_end|>`: that id is another
+    token, or none, in other targets' vocabularies."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
 
 
 def server_record(choice: dict, stop: list[str], eos_id: int | None) -> dict:
@@ -231,7 +268,7 @@ def obtain(cfg: CompletionsConfig, path: Path, prompts: list[tuple[str, str]], s
         return read_store(path)
     if dist.is_main:
         check_settings(path, settings)
-    dist.barrier()
+    dist.wait_long("completions-open")  # the processes come from target loading of their own
     done = read_store(path)
     todo = [(i, pid, text) for i, (pid, text) in enumerate(prompts)
             if pid not in done or done[pid].get("prompt_sha") not in (None, text_sha(text))]
@@ -246,10 +283,10 @@ def obtain(cfg: CompletionsConfig, path: Path, prompts: list[tuple[str, str]], s
                 _run_server(cfg, model, mine, out, eos_id)
         finally:
             out.close()
-    dist.barrier()
+    dist.wait_long("completions")  # hours, and not the same on every process
     if dist.is_main:
         merge_parts(path)
-    dist.barrier()
+    dist.wait_long("completions-merged")  # the main process reads and rewrites the whole store
     return read_store(path)
 
 
@@ -294,7 +331,7 @@ def completion_ids(record: dict, tokenizer, eos_id: int | None = None) -> list[i
     re-tokenized text; the token that ended generation is labelled once, when it belongs to the
     response (see server_record). Records without `end_id` (older server records, user-supplied
     files) that say finish_reason "stop" get the end-of-turn token: their `eos_id`, else `eos_id`
-    (the target's <|im_end|>)."""
+    (the target's, from end_of_turn_id)."""
     if record.get("completion_ids") is not None:
         ids = list(record["completion_ids"])
     else:

@@ -40,7 +40,7 @@ def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, d
     num_shards = math.ceil(len(seqs) / shard_sequences)
     if dist.is_main:
         fcache.open_for_writing(root, manifest)
-    dist.barrier()
+    dist.wait_long("extract-open")  # the processes come from completions and target loading of their own
     done = fcache.done_shards(root)
     mine = [k for k in range(num_shards) if k % dist.world == dist.rank and k not in done]
     tokens = sum(s.input_ids.numel() for k in mine for s in seqs[k * shard_sequences:(k + 1) * shard_sequences])
@@ -48,6 +48,7 @@ def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, d
         log.info("cache %s: %d of %d shards already written; resuming", root, len(done), num_shards)
     log.info("process %d of %d extracts shards %s", dist.rank, dist.world, mine)
     bar = tqdm(total=tokens, desc=f"extract[{dist.rank}]", unit="tok", unit_scale=True, disable=None)
+    stamp = fcache.Stamp(root, dist.rank)  # the writer's digests: training need not hash these shards again
     for k in mine:
         part = seqs[k * shard_sequences:(k + 1) * shard_sequences]
         feats: list[torch.Tensor | None] = [None] * len(part)
@@ -55,9 +56,9 @@ def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, d
             feats[i] = f.cpu()
             bar.update(part[i].input_ids.numel())
         fcache.write_shard(root, k, [s.id for s in part], [s.input_ids for s in part],
-                           [s.loss_mask for s in part], feats, storage, len(layer_ids))
+                           [s.loss_mask for s in part], feats, storage, len(layer_ids), stamp=stamp)
     bar.close()
-    dist.barrier()
+    dist.wait_long("extract")  # hours, and not the same on every process
     if dist.is_main:
         fcache.finalize(root, num_shards)
     dist.barrier()
@@ -98,7 +99,7 @@ def extract(job: JobConfig) -> dict:
     from dflash.tracking import setup_logging
 
     setup_logging()
-    dist = dist_mod.current()
+    dist = dist_mod.current(job.train.collective_timeout_minutes)
     target = load_target(job.target)
     t0 = time.time()
     manifest = extract_training(job, target, dist)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 
 import torch
 
@@ -23,6 +24,7 @@ def make_accelerator(job: JobConfig):
     once per optimizer step."""
     import accelerate
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     if job.train.distributed == "fsdp" and not cuda:
@@ -38,7 +40,13 @@ def make_accelerator(job: JobConfig):
         os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
         plugin = fsdp_plugin()
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # not eight INFO lines per checkpoint
-    acc = Accelerator(mixed_precision=precision, fsdp_plugin=plugin, cpu=not cuda, step_scheduler_with_optimizer=False)
+    # the process group's timeout, for collectives and short barriers (long waits go through dflash.dist.wait_long).
+    # accelerate passes on only what differs from its default of 10 min: exactly 10 would leave torch's default
+    # of 30 min for gloo and FSDP's nccl+gloo group, so a microsecond more is passed on
+    minutes = job.train.collective_timeout_minutes
+    timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=minutes, microseconds=1 if minutes == 10 else 0))
+    acc = Accelerator(mixed_precision=precision, fsdp_plugin=plugin, cpu=not cuda, step_scheduler_with_optimizer=False,
+                      kwargs_handlers=[timeout])
     if plugin is not None and not is_fsdp(acc):
         log.warning("train.distributed=fsdp on one process: accelerate trains it unsharded, as DDP would, and its "
                     "checkpoints are DDP's; launch several processes (accelerate launch --num_processes N) to shard")

@@ -215,3 +215,83 @@ def test_batched_hf_completions_of_the_toy_target_equal_one_prompt_at_a_time(tmp
         out[batch] = obtain(cfg, tmp_path / f"b{batch}.jsonl", prompts, SETTINGS, Dist(), target=target)
     assert {k: r["completion_ids"] for k, r in out[12].items()} == {k: r["completion_ids"] for k, r in out[1].items()}
     assert any(r["finish_reason"] == "stop" for r in out[1].values())  # some end their turn inside the 48 tokens
+
+
+class ScriptedModel:
+    """A stand-in for a target's `generate`: each prompt has a scripted greedy continuation, and rows finish
+    exactly as transformers finishes them (an eos id or a stopping criterion), a finished row padded with
+    `pad_token_id` while the others go on."""
+
+    def __init__(self, tok, scripts: dict[str, str]):
+        self.tok, self.scripts = tok, {p: tok(s, add_special_tokens=False)["input_ids"] for p, s in scripts.items()}
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, stopping_criteria=(),
+                 stop_strings=None, tokenizer=None, **_):
+        import torch
+        from transformers import StopStringCriteria
+
+        if stop_strings:  # generate's other way of being given stop strings
+            stopping_criteria = [*stopping_criteria, StopStringCriteria(tokenizer, stop_strings)]
+        script = [self.scripts[self.tok.decode(row, skip_special_tokens=True)] for row in input_ids.tolist()]
+        seq, live = input_ids, torch.ones(len(script), dtype=torch.bool)
+        for k in range(max_new_tokens):
+            nxt = torch.where(live, torch.tensor([s[min(k, len(s) - 1)] for s in script]), pad_token_id)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            live &= ~torch.isin(nxt, torch.tensor(eos_token_id))
+            for criterion in stopping_criteria:
+                live &= ~criterion(seq, None)
+            if not live.any():
+                break
+        return seq
+
+
+@pytest.mark.parametrize("pad", ["<|endoftext|>", "<|mask|>"])  # a pad that is a stop id, and one that is not
+def test_hf_rows_stopped_by_a_stop_string_end_there_in_a_batch_as_alone(pad):
+    """generate pads a finished row while the batch goes on: those pads are not the target's tokens, whether or
+    not the pad id is also a stop id, and a stop string's stop is a stop, as a server reports it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from dflash.data.completions import generate_hf
+    from dflash.target import toy
+
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    tok.pad_token = pad
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    scripts = {"first prompt": "x = 1\n    return x\n", "second prompt": "y = 2<|im_end|>",
+               "third prompt": "z = [1, 2, 3, 4, 5, 6, 7, 8, 9]"}
+    target = SimpleNamespace(tokenizer=tok, device="cpu", model=ScriptedModel(tok, scripts))
+    cfg = CompletionsConfig(source="hf", max_new_tokens=12, stop=["return"])
+    stop_ids = [tok.convert_tokens_to_ids("<|endoftext|>"), end]
+    alone = [generate_hf(target, [p], cfg, stop_ids)[0] for p in scripts]
+    together = generate_hf(target, list(scripts), cfg, stop_ids)
+    assert together == alone
+    first, second, third = together
+    assert first["completion"] == "x = 1\n    return" and (first["finish_reason"], first["stop_reason"]) == (
+        "stop", "return")
+    assert first["completion_ids"] == tok("x = 1\n    return", add_special_tokens=False)["input_ids"]
+    assert second["completion_ids"][-1] == end and (second["finish_reason"], second["stop_reason"]) == ("stop", end)
+    assert len(third["completion_ids"]) == 12 and third["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_hf_completions_of_the_toy_target_with_a_stop_string_equal_one_prompt_at_a_time(tmp_path):
+    """The reported case: the shipped toy target, stop=["return"], batch 2; the row that stops on the string first
+    must not gain the pad id (<|endoftext|>, a stop id) as an end-of-turn the target never wrote."""
+    from dflash.config.model import TargetConfig
+    from dflash.data.prompts import load_prompts, prompt_text
+    from dflash.target import toy
+    from dflash.target.loading import load_target
+
+    target = load_target(TargetConfig(name="toy", path=str(toy.SHIPPED), num_layers=12, mask_token_id=5,
+                                      dtype="float32"))
+    prompts = [(p.id, prompt_text(target.tokenizer, p, True, False)) for p in load_prompts("toy:stdlib")[:2]]
+    out = {}
+    for batch in (1, 2):
+        cfg = CompletionsConfig(source="hf", max_new_tokens=24, batch_size=batch, stop=["return"])
+        out[batch] = obtain(cfg, tmp_path / f"b{batch}.jsonl", prompts, SETTINGS, Dist(), target=target)
+    assert out[2] == out[1]
+    stopped = [r for r in out[2].values() if r["stop_reason"] == "return"]
+    assert stopped and all(r["finish_reason"] == "stop" and r["completion"].endswith("return") for r in stopped)
+    assert all(target.tokenizer.pad_token_id not in r["completion_ids"] for r in out[2].values())
