@@ -9,6 +9,7 @@
                                        [pytorch_model_fsdp.bin under FSDP] (accelerate's save_state)
       eval/step-020000/                summary.json blocks.jsonl *.png
     cache/<target>/<data>/features/    CacheLayout: manifest.json, shard-00000.safetensors + .json
+                                       verified/rank-00000.json (what each process verified)
     cache/<target>/eval-.../           the held-out set (completions.jsonl, features-L.../)
 
 Paths only: nothing here reads or writes.
@@ -177,6 +178,13 @@ class CacheLayout:
 
     def sidecars(self) -> list[Path]:
         return sorted(self.path.glob("shard-*.json"))
+
+    def stamp(self, rank: int) -> Path:
+        """verified/rank-00003.json: what process 3 verified of this cache (dflash.data.cache.Stamp)."""
+        return self.path / "verified" / f"rank-{rank:05d}.json"
+
+    def stamps(self) -> list[Path]:
+        return sorted((self.path / "verified").glob("rank-*.json"))
 
     @property
     def target_root(self) -> Path:

@@ -6,13 +6,15 @@ Shard `shard-00007.safetensors` holds, for its sequences in order: `input_ids` [
 `scales` [T, n_layers] float32, one scale per token and layer). Shards are read memory-mapped,
 one sequence at a time. Each finished shard has a sidecar `shard-00007.json` (its manifest
 entry, with a sha256 of the file); `manifest.json` says what made the features (DESIGN §3)
-and, once every shard is written, `complete: true`.
+and, once every shard is written, `complete: true`. `verified/rank-<r>.json` (dflash.data.stamp) records
+what process r verified, so that a shard is hashed once, not by every process at every start.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -21,10 +23,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.data.stamp import Stamp, file_state
+from dflash.dist import Dist
 from dflash.errors import CacheError
 from dflash.io import read_json, write_json
 from dflash.layout import CacheLayout
 from dflash.provenance import check_resumable
+
+log = logging.getLogger(__name__)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -55,8 +61,10 @@ def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, n_layers: int,
 
 
 def write_shard(root: Path, k: int, ids: list[str], input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor],
-                features: list[torch.Tensor], storage: str, n_layers: int) -> dict:
-    """Write shard k atomically (temp file, fsync, rename), then its sidecar; return the entry."""
+                features: list[torch.Tensor], storage: str, n_layers: int, stamp: Stamp | None = None) -> dict:
+    """Write shard k atomically (temp file, fsync, rename), then its sidecar; return the entry. With
+    `stamp` (the writing process's), the writer's digest is recorded there, so that no later start
+    hashes the shard again while its file is unchanged."""
     lengths = torch.tensor([0] + [t.numel() for t in input_ids])
     tensors = {
         "input_ids": torch.cat(input_ids).to(torch.int32),
@@ -77,6 +85,9 @@ def write_shard(root: Path, k: int, ids: list[str], input_ids: list[torch.Tensor
              "bytes": path.stat().st_size, "sha256": file_sha256(path), "lengths": lengths[1:].tolist(),
              "ids": ids}
     write_json(layout.sidecar(k), entry)
+    if stamp is not None:
+        stamp.add(path.name, entry["sha256"], file_state(path))
+        stamp.save()
     return entry
 
 
@@ -136,8 +147,10 @@ def read_manifest(root: Path) -> dict:
 class FeatureCache:
     """Random access to the sequences of a complete cache: (input_ids, loss_mask, features).
 
-    Shards are opened lazily (so DataLoader workers each map their own) and, with `verify`,
-    checked against their sha256 the first time each is opened in a process.
+    Shards are opened lazily (so DataLoader workers each map their own). With `verify`, a shard is
+    checked against its sha256 before its data is read: all at once by `verify_all` (training, before
+    step 0), else the first time it is opened in a process; either way only where no `Stamp` vouches
+    for it.
     """
 
     def __init__(self, root: str | Path, verify: bool = True, dtype: torch.dtype = torch.bfloat16):
@@ -165,23 +178,98 @@ class FeatureCache:
             self.seq_lengths.extend(entry["lengths"])
         self._handles: dict[int, object] = {}
         self._verified: set[int] = set()
+        self.stamp: Stamp | None = None
+        """What this and the other processes verified before (read when first needed)."""
+        self.hashed_bytes = 0
+        """Bytes of shards this process has hashed."""
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def verify_all(self) -> None:
-        """Check every shard against its checksum now (one read of the cache), so that a corrupt shard
-        stops a run before its data loader starts, in the process that can report it on one line."""
-        for k in range(len(self.manifest["shards"])):
-            self._check(k)
+    def verify_all(self, dist: Dist | None = None) -> None:
+        """Check every shard against its digest now, so that a corrupt one stops the run before its data
+        loader starts, on every process, with a message naming it (here, not in a DataLoader worker,
+        which would wrap the message in its traceback).
+
+        Each shard is hashed once: where no stamp vouches for it (the writer's at extraction, or an
+        earlier start's), by the one process of `dist` that owns it (k % world == rank, as extraction
+        splits the writing), which records the result in its stamp; once all have (`Dist.wait_long`),
+        every process reads the others' stamps. A second start hashes nothing. Where the others'
+        stamps cannot be read here (a read-only cache folder, or a copy of the cache on each node
+        rather than a shared one), this process hashes what they did not vouch for itself."""
+        if not self.verify:
+            return
+        dist = dist or Dist()
+        self.stamp = Stamp(self.root, dist.rank)
+        n = len(self.manifest["shards"])
+        todo = [k for k in range(n) if not self._vouched(k)]
+        for k in todo:
+            if k % dist.world == dist.rank:
+                self._hash(k)
+        self.stamp.save()
+        corrupt = dict(self.stamp.corrupt)
+        if dist.world > 1:
+            # every process has hashed its share (hours, at a first start of a large cache) and saved its stamp
+            dist.wait_long("verify_cache")
+            self.stamp.refresh()
+            for r in range(dist.world):
+                if r != dist.rank:
+                    corrupt.update(self.stamp.still_corrupt(r))
+            left = [k for k in todo if k not in self._verified and self.manifest["shards"][k]["file"] not in corrupt
+                    and not self._vouched(k)]
+            if left:
+                log.warning("process %d: no stamp readable here vouches for %d shards of %s that other processes "
+                            "verified (is %s writable and shared by every process?); hashing them here too",
+                            dist.rank, len(left), self.root, self.stamp.layout.stamp(0).parent)
+                for k in left:
+                    self._hash(k)
+                corrupt.update(self.stamp.corrupt)
+        if corrupt:
+            names = sorted(corrupt)
+            if len(names) == 1:
+                raise CacheError(corrupt[names[0]]["error"])
+            raise CacheError(f"{len(names)} shards of {self.root} do not match their checksums or cannot be read "
+                             f"(corrupt): {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}; delete each "
+                             f"and its .json sidecar, then run extract.py again with the same config: it "
+                             f"re-extracts only those shards (the other shards and the completions are kept)")
+        log.info("cache %s: %d shards verified, %d of them hashed at this start (%.2f GB by this process)",
+                 self.root, n, len(todo), self.hashed_bytes / 1e9)
+
+    def _vouched(self, k: int) -> bool:
+        """Whether a stamp vouches for shard k as its file is now (marks it verified)."""
+        entry = self.manifest["shards"][k]
+        if self.stamp.vouches(entry["file"], entry["sha256"], file_state(self.root / entry["file"])):
+            self._verified.add(k)
+        return k in self._verified
+
+    def _hash(self, k: int) -> str | None:
+        """Hash shard k and record the result in this process's stamp; the error, if it is corrupt."""
+        entry = self.manifest["shards"][k]
+        path = self.root / entry["file"]
+        state = file_state(path)
+        fix = (f"delete it and its sidecar {path.with_suffix('.json').name}, then run extract.py again with the "
+               f"same config: it re-extracts only that shard (the other shards and the completions are kept)")
+        try:
+            error = None if file_sha256(path) == entry["sha256"] else \
+                f"shard {path} does not match its checksum (corrupt); {fix}"
+        except OSError as e:
+            error = f"shard {path} cannot be read ({e}); {fix}"
+        self.hashed_bytes += state["bytes"]
+        if error:
+            self.stamp.corrupt[entry["file"]] = {**state, "error": error}
+        else:
+            self.stamp.add(entry["file"], entry["sha256"], state)
+            self._verified.add(k)
+        return error
 
     def _check(self, k: int) -> None:
-        if self.verify and k not in self._verified:
-            path = self.root / self.manifest["shards"][k]["file"]
-            if file_sha256(path) != self.manifest["shards"][k]["sha256"]:
-                raise CacheError(f"shard {path} does not match its checksum (corrupt); delete it and its "
-                                 f"sidecar {path.with_suffix('.json').name}, then re-run extract.py")
-            self._verified.add(k)
+        """Before shard k's data is read in a process that did not run verify_all (evaluation, tools)."""
+        if not self.verify or k in self._verified:
+            return
+        if self.stamp is None:
+            self.stamp = Stamp(self.root)  # read here, never saved: DataLoader workers would race on one file
+        if not self._vouched(k) and (error := self._hash(k)):
+            raise CacheError(error)
 
     def _open(self, k: int):
         if k not in self._handles:
@@ -197,6 +285,13 @@ class FeatureCache:
         return self._handles[k]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, mask, stored, scales = self.stored(i)
+        return ids, mask, dequantize(stored, scales, self.n_layers, self.dtype)
+
+    def stored(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sequence i as stored: (input_ids, loss_mask, features [T, n_layers*H] in the storage dtype, float8
+        scales [T, n_layers] or None). Training moves these to the device and dequantizes there (half the bytes
+        of float32 for bfloat16, a quarter for float8)."""
         k, j = self.index[i]
         f = self._open(k)
         s, e = self.offsets[k][j].item(), self.offsets[k][j + 1].item()
@@ -204,7 +299,7 @@ class FeatureCache:
         mask = f.get_slice("loss_mask")[s:e].bool()
         stored = f.get_slice("features")[s:e]
         scales = f.get_slice("scales")[s:e] if "scales" in f.keys() else None
-        return ids, mask, dequantize(stored, scales, self.n_layers, self.dtype)
+        return ids, mask, stored, scales
 
     def __getstate__(self):  # handles do not cross process boundaries; reopen lazily
         state = dict(self.__dict__)

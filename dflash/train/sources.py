@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import DataConfig, JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_training, prepare_training, training_prompts
-from dflash.data.prompts import prompts_hash
+from dflash.data.prompts import BUILTIN, prompts_hash
+from dflash.data.stamp import Stamp, file_state
 from dflash.dist import Dist
 from dflash.errors import CacheError, ConfigError, DFlashError
 from dflash.evaluate import heldout
@@ -20,6 +22,7 @@ from dflash.provenance import check_provenance, differences, features_manifest, 
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.train.batches import CachedSource, SequenceSource
+from dflash.train.fit import check_online_fit
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +30,11 @@ log = logging.getLogger(__name__)
 def training_target(job: JobConfig, device: torch.device) -> tuple[Target, list[int]]:
     """The target as training needs it, and the layer ids the drafter reads. Offline training with
     a complete feature cache and held-out set needs only embed_tokens and lm_head; anything still
-    to extract (or online mode) needs the whole model."""
+    to extract (or online mode) needs the whole model: online, on every process's device beside the
+    drafter, refused before loading when it cannot fit there."""
     offline = job.train.mode == "offline"
+    if not offline:
+        check_online_fit(job, device)
     target = load_target(job.target, device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
     if target.model is None and not (fcache.is_complete(job.features.dir)
@@ -51,9 +57,9 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
     cache = fcache.FeatureCache(job.features.dir, dtype=torch.float32)
-    cache.verify_all()  # here, not in a DataLoader worker (which would wrap the message in its traceback)
+    cache.verify_all(dist)  # each shard hashed once, by one process; nothing at a second start
     if not extracted_now:  # a cache just extracted is of data.* by construction
-        check_data(job, cache.manifest)
+        check_data(job, cache.manifest, cache.stamp)
     if cache.manifest["layer_ids"] != layer_ids:
         raise ConfigError(f"features.dir={job.features.dir} holds layers {cache.manifest['layer_ids']} but the "
                           f"drafter reads {layer_ids}; set features.dir to a new directory or change layers")
@@ -65,19 +71,44 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
     return CachedSource(cache), cache.manifest
 
 
-def check_data(job: JobConfig, manifest: dict) -> None:
+def prompts_key(data: DataConfig) -> dict | None:
+    """What the prompts data.* picks are a function of, found without reading them: the data.* settings
+    that pick prompts and the state (size, mtime, ctime, inode) of every file under data.prompts (more
+    files than are read, so that a changed, added or removed prompts file changes the key). None where
+    the prompts are not local files (toy:, a Hub dataset): those are read at every check."""
+    if data.prompts.startswith("toy:"):
+        return None
+    where = BUILTIN if data.prompts.startswith("builtin:") else Path(data.prompts).expanduser()
+    if not where.exists():
+        return None
+    files = sorted(p for p in where.rglob("*") if p.is_file()) if where.is_dir() else [where]
+    return {"prompts": data.prompts, "format": data.format, "split": data.split, "prompt_key": data.prompt_key,
+            "offset": data.offset, "limit": data.limit,
+            "files": [{"path": str(p.resolve()), **file_state(p)} for p in files]}
+
+
+def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> None:
     """Refuse a feature cache extracted from other data than data.* now asks for (other prompts, another
     data.limit or data.offset, max length, chat template or thinking setting): the run would train on it
-    silently. The prompts are read again to compare them; where they cannot be read here (a cache made
-    elsewhere), the cache is taken as it is, with a warning."""
+    silently. The prompts are read again to compare them, once: `stamp` (the cache's) keeps their count
+    and hash with `prompts_key`, so a later start reads them only if a prompts file or a setting that
+    picks prompts has changed. Where they cannot be read here (a cache made elsewhere), the cache is
+    taken as it is, with a warning."""
     made = manifest.get("data", {})
-    try:
-        prompts = training_prompts(job.data)
-    except (OSError, DFlashError) as e:
-        log.warning("could not read data.prompts=%s to check that %s was extracted from them (%s); training on "
-                    "the cache as it is", job.data.prompts, job.features.dir, e)
-        return
-    now = {"prompts": job.data.prompts, "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
+    key = prompts_key(job.data) if stamp is not None else None
+    read = stamp.data_result(key) if key is not None else None
+    if read is None:
+        try:
+            prompts = training_prompts(job.data)
+        except (OSError, DFlashError) as e:
+            log.warning("could not read data.prompts=%s to check that %s was extracted from them (%s); training "
+                        "on the cache as it is", job.data.prompts, job.features.dir, e)
+            return
+        read = {"num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts)}
+        if key is not None:
+            stamp.data = {"key": key, "result": read}
+            stamp.save()
+    now = {"prompts": job.data.prompts, **read,
            "max_length": job.data.max_length, "chat_template": job.data.chat_template,
            "enable_thinking": job.data.enable_thinking}
     there = {**made, "max_length": manifest.get("max_length")}

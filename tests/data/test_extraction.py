@@ -96,3 +96,15 @@ def test_killed_extraction_resumes_to_an_identical_cache(tmp_path, dflash_home):
     assert [s["sha256"] for s in ref["shards"]] == [s["sha256"] for s in got["shards"]]
     for f in ("target", "tokenizer", "layer_ids", "kernel_backend", "data", "storage"):
         assert ref[f] == got[f]
+
+
+def test_a_cache_just_extracted_is_not_hashed_again(extracted, monkeypatch):
+    """The writers' digests are stamped (issue 27): training right after extraction hashes no shard."""
+    from dflash.data import cache as fcache
+
+    job, manifest, _ = extracted
+    hashed = []
+    monkeypatch.setattr(fcache, "file_sha256", lambda path: hashed.append(path.name))
+    cache = FeatureCache(job.features.dir, dtype=torch.float32)
+    cache.verify_all()
+    assert hashed == [] and cache.hashed_bytes == 0 and len(manifest["shards"]) == 4

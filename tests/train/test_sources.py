@@ -1,0 +1,108 @@
+"""What training reads before step 0: the data check, read once and kept in the cache's stamp."""
+
+import json
+import os
+import time
+
+import pytest
+
+from dflash.data.extraction import training_prompts
+from dflash.data.prompts import prompts_hash
+from dflash.data.stamp import Stamp
+from dflash.errors import CacheError
+from dflash.train import sources
+from tests.conftest import compose
+
+
+def write_prompts(path, n):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}"}) + "\n" for i in range(n)))
+
+
+def job_for(tmp_path, prompts, *overrides):
+    return compose("train", ["debug=tiny", f"data.prompts={prompts}", f"features.dir={tmp_path}/features",
+                             *overrides])
+
+
+def manifest_of(job):
+    """The part of a cache's manifest the data check compares (as extraction records it)."""
+    prompts = training_prompts(job.data)
+    return {"max_length": job.data.max_length,
+            "data": {"prompts": job.data.prompts, "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
+                     "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking}}
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """How often the data check read the prompts."""
+    count = {"n": 0}
+    real = sources.training_prompts
+
+    def counting(data):
+        count["n"] += 1
+        return real(data)
+
+    monkeypatch.setattr(sources, "training_prompts", counting)
+    return count
+
+
+def test_the_prompts_are_read_once_and_a_changed_file_is_still_refused(tmp_path, reads):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3)
+    job = job_for(tmp_path, prompts)
+    manifest = manifest_of(job)
+    root = tmp_path / "features"
+    root.mkdir()
+    sources.check_data(job, manifest, Stamp(root, 0))
+    assert reads["n"] == 1
+    for rank in (0, 1):  # a later start, on any process: nothing read
+        sources.check_data(job, manifest, Stamp(root, rank))
+    assert reads["n"] == 1
+    sources.check_data(job, manifest)  # without a stamp: read, as before
+    assert reads["n"] == 2
+    # one prompt changed, size kept, even the mtime set back: read again, and refused
+    before = prompts.stat()
+    time.sleep(0.02)  # past the file system's timestamp granularity (a few ms)
+    prompts.write_text(prompts.read_text().replace("question 1", "question 7"))
+    os.utime(prompts, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(CacheError, match="prompts_sha256.*Delete that folder"):
+        sources.check_data(job, manifest, Stamp(root, 1))
+    assert reads["n"] == 3
+    with pytest.raises(CacheError, match="prompts_sha256"):  # and again at the next start, from the stamp
+        sources.check_data(job, manifest, Stamp(root, 0))
+    assert reads["n"] == 3
+    write_prompts(prompts, 4)  # a prompt added
+    with pytest.raises(CacheError, match="num_prompts: 3 there, 4 now"):
+        sources.check_data(job, manifest, Stamp(root, 0))
+    write_prompts(prompts, 3)  # back to what the cache was made of, and a setting that picks prompts changed
+    sources.check_data(job, manifest, Stamp(root, 0))
+    with pytest.raises(CacheError, match="num_prompts: 3 there, 2 now"):
+        sources.check_data(job_for(tmp_path, prompts, "data.limit=2"), manifest, Stamp(root, 0))
+    assert reads["n"] == 6
+
+
+def test_a_file_added_to_a_prompts_folder_is_seen(tmp_path, reads):
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    write_prompts(folder / "a.jsonl", 2)
+    job = job_for(tmp_path, folder)
+    manifest = manifest_of(job)
+    (tmp_path / "features").mkdir()
+    stamp = lambda: Stamp(tmp_path / "features")
+    sources.check_data(job, manifest, stamp())
+    sources.check_data(job, manifest, stamp())
+    assert reads["n"] == 1
+    (folder / "b.jsonl").write_text(json.dumps({"id": "q", "prompt": "more"}) + "\n")
+    with pytest.raises(CacheError, match="num_prompts: 2 there, 3 now"):
+        sources.check_data(job, manifest, stamp())
+
+
+def test_unreadable_prompts_still_warn(tmp_path, caplog):
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    job = job_for(tmp_path, prompts)
+    manifest = manifest_of(job)
+    prompts.unlink()
+    (tmp_path / "features").mkdir()
+    with caplog.at_level("WARNING"):
+        sources.check_data(job, manifest, Stamp(tmp_path / "features"))
+    assert "could not read data.prompts" in caplog.text
