@@ -201,20 +201,11 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     heads_only: read just `embed_tokens` and `lm_head` from the weight files (all that offline
     training needs), not the whole model.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    ensure_built(cfg)
-    model_dir = local_model_dir(cfg.path, cfg.revision)
-    path = str(model_dir) if model_dir is not None else cfg.path
+    path, model_dir, hf_config = read_config(cfg)
     device = device or pick_device(cfg.device)
     common = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
-    try:
-        hf_config = AutoConfig.from_pretrained(path, **common)
-    except (OSError, ValueError) as e:
-        raise NotFoundError(
-            f"cannot load the target config from target.path={cfg.path!r} ({e}). Point target.path at a "
-            f"local model directory, or a hub id that is cached locally (HF_HUB_OFFLINE=1 allows no downloads)"
-        ) from e
     text_config = hf_config.get_text_config()
     if cfg.num_layers is not None and text_config.num_hidden_layers != cfg.num_layers:
         raise ConfigError(f"target.num_layers={cfg.num_layers} but {path} has "
@@ -226,7 +217,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
         embed, head = _load_heads(model_dir, text_config, dtype, device)
         kernels = {}
     else:
-        model = _load_model(path, cfg, dtype, common).requires_grad_(False).eval().to(device)
+        model = _load_model(path, cfg, dtype, common, device).requires_grad_(False).eval()
         layers = _find_layers(model, text_config.num_hidden_layers)
         norm = _find_final_norm(model, layers)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -262,11 +253,38 @@ def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target
                   fingerprint="unknown")
 
 
-def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict) -> nn.Module:
+def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:
+    """(where the target's files are, its local folder or None, its config), a built-in target built first.
+    Reads config.json only: no weights."""
+    from transformers import AutoConfig
+
+    ensure_built(cfg)
+    model_dir = local_model_dir(cfg.path, cfg.revision)
+    path = str(model_dir) if model_dir is not None else cfg.path
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+    except (OSError, ValueError) as e:
+        raise NotFoundError(
+            f"cannot load the target config from target.path={cfg.path!r} ({e}). Point target.path at a "
+            f"local model directory, or a hub id that is cached locally (HF_HUB_OFFLINE=1 allows no downloads)"
+        ) from e
+    return path, model_dir, hf_config
+
+
+def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, device: torch.device) -> nn.Module:
+    """The causal LM, each weight read from its safetensors file straight to `device`.
+
+    transformers (5.x) builds the model on the meta device and then fills it tensor by tensor: with
+    `device_map={"": device}` each tensor goes from the memory-mapped file (cast to `dtype` where the file
+    holds another) to `device`, and its host copy is dropped before the next ones, so host memory holds a
+    few tensors at a time (the loader's threads), never the model. Without it the model is filled on the
+    host and `.to(device)` copies it after: the whole model in host memory on every process (where the
+    file's dtype is `dtype`, as pages of the mapped files; otherwise as cast copies in process memory).
+    """
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                                **common)
+                                                device_map={"": device}, **common)
 
 
 def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
@@ -284,11 +302,26 @@ def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.
                         found[kind] = fh.get_tensor(name)
     if "embed" not in found:
         raise ValueError(f"no embed_tokens weight found in {model_dir}/*.safetensors")
+    if "head" not in found and not _tied_heads(model_dir, text_config):
+        # only a tied checkpoint leaves lm_head out; reusing embed_tokens here would train on the wrong logits
+        raise TargetError(f"{model_dir} is not tied (tie_word_embeddings false) but its *.safetensors hold no "
+                          f"lm_head.weight tensor; the checkpoint is incomplete: download it again, or set "
+                          f"tie_word_embeddings true in its config.json if its head really is embed_tokens")
     head_w = found.get("head", found["embed"])
     embed = nn.Embedding.from_pretrained(found["embed"].to(dtype), freeze=True).to(device)
     head = nn.Linear(text_config.hidden_size, head_w.shape[0], bias=False, dtype=dtype)
     head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
     return embed, head.to(device)
+
+
+def _tied_heads(model_dir: Path, text_config) -> bool:
+    """Whether the checkpoint ties lm_head to embed_tokens: its text config says so, or (a composite such as
+    Qwen3_5ForConditionalGeneration, whose top-level flag is the one transformers ties by) its config.json."""
+    from dflash.io import read_json
+
+    top = model_dir / "config.json"
+    return bool(getattr(text_config, "tie_word_embeddings", False)
+                or (top.exists() and read_json(top).get("tie_word_embeddings", False)))
 
 
 

@@ -1,5 +1,7 @@
 """Target loading, layer ids and kernel reports on the tiny presets."""
 
+import os
+
 import pytest
 import torch
 
@@ -245,3 +247,84 @@ def test_a_toy_target_built_at_its_own_path_is_used_as_it_is(tmp_path, monkeypat
     assert (dest / "toy_info.json").read_text() == mine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my_toy"]
     assert "not installed by dflash: using it as it is" in caplog.text
+
+
+def test_an_untied_checkpoint_without_lm_head_is_refused_not_given_embed_tokens(tmp_path):
+    """heads_only (offline training) reads lm_head from the weight files; an untied checkpoint that lacks it is
+    incomplete, and its embed_tokens would give other logits than the target's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    from dflash.config import TargetConfig
+    from dflash.errors import TargetError
+    from dflash.target.builtin import tiny_qwen3_config
+    from dflash.target.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(tiny_qwen3_config(len(tok))).save_pretrained(tmp_path)  # tie_word_embeddings false
+    tok.save_pretrained(tmp_path)
+    cfg = TargetConfig(name="untied", path=str(tmp_path), mask_token_id=261, dtype="float32")
+    complete = load_target(cfg, torch.device("cpu"), heads_only=True)
+    assert not torch.equal(complete.lm_head.weight, complete.embed_tokens.weight)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetError, match=rf"{tmp_path} is not tied .* no lm_head.weight tensor"):
+        load_target(cfg, torch.device("cpu"), heads_only=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tied = load_target(cfg, torch.device("cpu"), heads_only=True)  # tied: the head is embed_tokens, as written
+    assert torch.equal(tied.lm_head.weight, tied.embed_tokens.weight)
+
+
+def test_the_target_loads_to_the_weights_and_outputs_of_a_plain_from_pretrained(tiny_target):
+    """Loading straight to the device (device_map) gives what from_pretrained onto the host gave before."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_target.path, dtype=torch.float32).eval()
+    got, want = tiny_target.model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert {b.device.type for b in tiny_target.model.buffers()} == {"cpu"}
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(tiny_target.model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
+def test_the_target_is_made_on_the_requested_device_not_moved_there(name, dflash_home, monkeypatch):
+    """Online training used to fill the whole target on every process's host memory and then .to(device)
+    it. On the meta device (the stand-in for a GPU here: what lands there takes no host memory) every
+    parameter and buffer is made there, and the model is never moved."""
+    from transformers import PreTrainedModel
+
+    moved, real_to = [], torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        if isinstance(module, PreTrainedModel):
+            moved.append((type(module).__name__, args, kwargs))
+        return real_to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    cfg = compose("train", [f"target={name}", "target.dtype=bfloat16"]).target  # a cast, as fp32 files -> bf16
+    target = load_target(cfg, torch.device("meta"))
+    assert moved == []
+    tensors = [*target.model.parameters(), *target.model.buffers()]
+    assert {t.device.type for t in tensors} == {"meta"} and target.device.type == "meta"
+    assert target.dtype == torch.bfloat16 and target.layers is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+def test_loading_holds_no_copy_of_the_model_in_host_memory(tmp_path):
+    """A 48M-parameter target stored in float32, loaded as bfloat16 to the meta device in a fresh process:
+    the load used to hold the whole cast model on the host (96 MB of process memory) before moving it;
+    now host memory holds a few tensors at a time (the largest here is 16 MB)."""
+    from tests.target.load_probe import measure, write_target
+
+    write_target(tmp_path, hidden=512, layers=8, vocab=16000)
+    probe = measure(tmp_path, "meta", "bfloat16")
+    assert probe["devices"] == ["meta"] and probe["model_bytes"] == 47_851_008 * 2
+    assert probe["peak_anon"] < probe["model_bytes"] / 4, probe

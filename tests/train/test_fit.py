@@ -1,0 +1,86 @@
+"""Online training's up-front check that the whole target fits each process's device beside the drafter."""
+
+import pytest
+import torch
+
+from dflash.drafter.build import build_drafter
+from dflash.errors import ConfigError
+from dflash.target import placement
+from dflash.target.placement import GiB
+from dflash.train import fit, sources
+from tests.conftest import compose
+
+H100 = 79.2 * GiB  # what an "80 GB" GPU reports
+H200 = 139.8 * GiB
+
+
+class Loaded(Exception):
+    """Raised by a stand-in load_target: the check let the run through to loading."""
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(sources, "load_target", load)
+
+
+def test_qwen3_6_27b_online_under_ddp_on_80gb_is_refused_before_loading(monkeypatch, no_loading):
+    """bench/plan.py's figures: a 50.1 GiB target beside a 1.835 B-parameter drafter's 34.2 GiB of DDP state
+    is more than an 80 GB GPU holds; an H200 holds it, and so does an 80 GB GPU under FSDP."""
+    import transformers
+
+    from bench.plan import TARGETS
+
+    cls, dims = TARGETS["qwen3_6_27b"]
+    monkeypatch.setattr(fit, "read_config", lambda cfg: ("Qwen/Qwen3.6-27B", None, getattr(transformers, cls)(**dims)))
+    monkeypatch.setattr(fit, "world_size", lambda: 8)
+    counted = placement.parameter_count(getattr(transformers, cls)(**dims))
+    assert counted == 26_895_998_464  # 50.1 GiB in bf16, the plan's "target model (online)"
+    monkeypatch.setattr(placement, "parameter_count", lambda config, trust_remote_code=False: counted)
+    job = compose("train", ["experiment=qwen3_6_27b", "train.mode=online", "data.prompts=x.jsonl"])
+    memory = {"gib": H100}
+    monkeypatch.setattr(placement, "device_memory", lambda device: memory["gib"])
+    with pytest.raises(ConfigError) as refused:
+        sources.training_target(job, torch.device("cuda", 0))
+    message = str(refused.value)
+    assert "target qwen3_6_27b 50.1 GiB (26.90 B parameters x 2 bytes, bfloat16)" in message
+    assert ("drafter and optimizer 34.2 GiB (1.835 B parameters: float32 weights, gradients, AdamW moments, DDP "
+            "gradient buckets)") in message
+    assert "= 86.3 GiB, more than the device's 79.2 GiB" in message
+    assert "train.mode=offline" in message and "train.distributed=fsdp" in message and "H200" in message
+    memory["gib"] = H200
+    with pytest.raises(Loaded):
+        sources.training_target(job, torch.device("cuda", 0))
+    memory["gib"] = H100
+    job.train.distributed = "fsdp"  # 1.835 B x 16 bytes / 8 + the gathered bf16 weights: 6.8 GiB
+    with pytest.raises(Loaded):
+        sources.training_target(job, torch.device("cuda", 0))
+
+
+def test_tiny_online_target_is_refused_by_a_byte_and_loaded_when_it_fits(tiny_targets, monkeypatch):
+    """The figures are the target's parameters x target.dtype bytes and the drafter's 16 bytes a parameter
+    (one process): one byte less of device memory than that plus the allowance refuses, that much loads."""
+    job = compose("train", ["debug=tiny", "train.mode=online"])
+    loaded = tiny_targets["tiny_qwen3"]
+    target_bytes = sum(p.numel() for p in loaded.model.parameters()) * 4
+    drafter = build_drafter(job.drafter, job.layers, loaded)
+    need = target_bytes + sum(p.numel() for p in drafter.parameters()) * 16 + placement.ALLOWANCE
+    memory = {"bytes": need - 1}
+    monkeypatch.setattr(placement, "device_memory", lambda device: memory["bytes"])
+    with pytest.raises(ConfigError, match=rf"target tiny_qwen3 {placement.gib(target_bytes)} .*float32\)"):
+        sources.training_target(job, torch.device("cpu"))
+    memory["bytes"] = need
+    target, _ = sources.training_target(job, torch.device("cpu"))
+    assert target.model is not None
+
+
+def test_drafter_state_per_process(dflash_home):
+    job = compose("train", ["debug=tiny", "train.mode=online"])
+    assert fit.drafter_state(job, 1000, 1)[0] == 16_000
+    assert fit.drafter_state(job, 1000, 8)[0] == 20_000  # DDP's gradient buckets
+    job.train.distributed = "fsdp"
+    assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 2_000  # sharded state + gathered bf16 weights
+    job.train.mixed_precision = "no"
+    assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 4_000
