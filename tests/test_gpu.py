@@ -65,6 +65,48 @@ def test_bf16_training_step_on_cuda(tmp_path):
     assert (run / "checkpoints/step-000004/model.safetensors").exists()
 
 
+@gpu
+@needs_cuda
+def test_training_batches_arrive_pinned_and_are_upcast_on_cuda():
+    """The DataLoader as train() makes it on CUDA (pin_memory=True, a worker): every tensor of a Batch, its
+    packed blocks' too, is page-locked, so train_step's non_blocking copies run asynchronously; the bfloat16
+    features become float32 on the device, equal to the host's upcast."""
+    from types import SimpleNamespace
+
+    from dflash.train.step import batch_features
+    from tests.train.test_batches import feature_batch, tensors_of
+
+    dataset = [feature_batch()]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, pin_memory=True)
+    batch = next(iter(loader))
+    tensors = tensors_of(batch)
+    unpinned = [name for name, t in tensors.items() if not t.is_pinned()]
+    assert tensors and not unpinned, unpinned
+    acc = SimpleNamespace(device=torch.device("cuda"))
+    features = batch_features(acc, None, SimpleNamespace(target_layer_ids=[1, 2]), batch)
+    assert batch.features.dtype == torch.bfloat16 and features.dtype == torch.float32 and features.is_cuda
+    assert torch.equal(features.cpu(), dataset[0].features.float())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc")
+def test_loading_a_target_to_cuda_keeps_host_memory_far_below_the_model(tmp_path):
+    """A 520M-parameter target (2.1 GB of float32 files) loaded to CUDA in a fresh process, as bfloat16 (each
+    tensor cast on the way) and as float32: the process's own host memory peaks far below the model (a few
+    tensors in flight), where filling the model on the host and moving it after held all of it. Pages of
+    the mapped files (the shared page cache, RssFile) are reported, not bounded."""
+    from tests.target.load_probe import measure, write_target
+
+    params = write_target(tmp_path, hidden=1024, layers=32, vocab=8192)
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):
+        probe = measure(tmp_path, "cuda:0", dtype)
+        print(f"load to cuda as {dtype}: peak host RssAnon {probe['peak_anon'] / 2**20:.0f} MiB, RssFile "
+              f"{probe['peak_file'] / 2**20:.0f} MiB, model {probe['model_bytes'] / 2**20:.0f} MiB")
+        assert probe["devices"] == ["cuda:0"] and probe["model_bytes"] == params * size
+        assert probe["peak_anon"] < probe["model_bytes"] / 4, probe
+
+
 def test_flop_formula_counts_what_the_training_step_multiplies():
     """MFU in the GPU check rests on train_flops: its matmul part equals torch's count on the same step."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -44,7 +44,7 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-               label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0):
+               label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None):
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -52,12 +52,19 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     there is no label); the loss is loss_sum / weight_sum, i.e. sum_k w_k CE_k / sum_k w_k
     over labelled slots. The caller divides, so that it can use the weight sum of a whole
     optimizer step across processes and micro-batches (exact distributed equivalence).
+    rows: [N] those labelled rows' flat indices, `label_rows(label_mask)`, when the caller made them on the
+    host: made here from a device mask, their count is read back (a host sync).
     """
-    w = slot_weights(labels.shape[-1], gamma).to(hidden.device)
+    w = slot_weights(labels.shape[-1], gamma).to(hidden.device, non_blocking=True)  # blocking: a sync
     w = (w * label_mask).reshape(-1)
-    rows = label_mask.reshape(-1).nonzero().flatten()
+    rows = label_rows(label_mask) if rows is None else rows
     flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
     loss_sum, pred = weighted_ce(flat_h, lm_head_weight, labels.reshape(-1)[rows], w[rows], chunk_logits)
     predictions = torch.full(labels.shape, -1, dtype=torch.long, device=labels.device)
     predictions.view(-1)[rows] = pred
     return loss_sum, w.sum(), predictions
+
+
+def label_rows(label_mask: torch.Tensor) -> torch.Tensor:
+    """[N] flat indices of the labelled slots of label_mask [..., B] (the rows block_loss scores)."""
+    return label_mask.reshape(-1).nonzero().flatten()

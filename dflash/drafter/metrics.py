@@ -22,15 +22,18 @@ def streaks(correct: torch.Tensor) -> torch.Tensor:
 
 
 def count(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> dict:
-    """Summable counts over the blocks of a batch (blocks = those with slot 1 labelled)."""
+    """Summable counts over the blocks of a batch (blocks = those with slot 1 labelled): correct, valid [B-1]
+    and streak, blocks [], float64 on the predictions' device. Other blocks are masked out rather than
+    selected, so nothing waits for the device (a boolean selection reads its size back); the training loop
+    sums these over a log window before reading them."""
     correct, valid = slot_correct(predictions, labels, label_mask)
-    blocks = valid[..., 0]
-    correct, valid = correct[blocks], valid[blocks]
+    blocks = valid[..., :1]
+    correct, valid = (correct & blocks).flatten(0, -2), (valid & blocks).flatten(0, -2)
     return {
-        "correct": correct.sum(0).double().cpu(),
-        "valid": valid.sum(0).double().cpu(),
-        "streak": streaks(correct).sum().double().cpu(),
-        "blocks": torch.tensor(float(blocks.sum()), dtype=torch.float64),
+        "correct": correct.sum(0).double(),
+        "valid": valid.sum(0).double(),
+        "streak": streaks(correct).sum().double(),
+        "blocks": blocks.sum().double(),
     }
 
 

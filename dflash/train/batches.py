@@ -7,6 +7,7 @@ and a resumed run sees exactly what the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 
 from dflash.config import NoiseConfig
 from dflash.drafter.blocks import PackedBlocks, pack_blocks, sample_anchors
-from dflash.drafter.loss import slot_weights
+from dflash.drafter.loss import label_rows, slot_weights
 
 
 def seed_for(*parts) -> int:
@@ -53,8 +54,25 @@ class Schedule:
         return epoch, [perm[(start + j) % self.num_sequences] for j in range(self.batch_size)]
 
 
+def map_tensors(obj, fn):
+    """A copy of the dataclass `obj` with `fn` applied to each tensor field (and, recursively, to the tensors of
+    each dataclass field); other fields are kept as they are."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if torch.is_tensor(value):
+            changes[f.name] = fn(value)
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = map_tensors(value, fn)
+    return dataclasses.replace(obj, **changes)
+
+
 @dataclass
 class Batch:
+    """One process's micro-batch, built on the host (in a DataLoader worker). Its tensors are CPU tensors; the
+    numbers the loop needs from it (weight_sum, num_tokens, num_blocks) are Python numbers, computed here, so
+    the training step never reads them back from the device."""
+
     step: int
     micro: int
     epoch: int
@@ -66,10 +84,25 @@ class Batch:
     loss_mask: torch.Tensor
     lengths: torch.Tensor
     features: torch.Tensor | None
-    """[b, L, n_layers*H] from the cache (offline); None when computed online."""
+    """[b, L, n_layers*H] from the cache (offline) in its storage dtype (bfloat16, float32 or float8_e4m3fn), so
+    the host-to-device copy moves the stored bytes and the device upcasts; None when computed online."""
+    scales: torch.Tensor | None
+    """[b, L, n_layers] float32: the per-token scales of float8 features (dflash.data.cache.dequantize); else None."""
     blocks: PackedBlocks
+    label_rows: torch.Tensor
+    """[N] flat indices of blocks.label_mask's labelled slots (block_loss's rows), found here on the host."""
     weight_sum: float
     """Sum of slot weights over labelled slots: the loss normaliser's share of this micro-batch."""
+    num_tokens: int
+    """Tokens in the micro-batch (sum of lengths)."""
+    num_blocks: int
+    """Real (not padding) blocks packed: the anchors sampled."""
+
+    def pin_memory(self) -> Batch:
+        """A copy with every tensor (the packed blocks' too) in page-locked memory: what the DataLoader calls
+        with pin_memory=True, since it pins only tensors and objects with this method. Pinned memory is what
+        makes the loop's `non_blocking` host-to-device copies asynchronous."""
+        return map_tensors(self, lambda t: t.pin_memory())
 
 
 class MicroBatches(torch.utils.data.Dataset):
@@ -93,24 +126,30 @@ class MicroBatches(torch.utils.data.Dataset):
         L = int(lengths.max())
         input_ids = torch.zeros(len(items), L, dtype=torch.long)
         loss_mask = torch.zeros(len(items), L, dtype=torch.bool)
-        features = None
-        if items[0][2] is not None:
+        features = scales = None
+        if items[0][2] is not None:  # in the stored dtype: the loop upcasts on the device
             features = torch.zeros(len(items), L, items[0][2].shape[-1], dtype=items[0][2].dtype)
+        if items[0][3] is not None:  # padding rows get scale 0: their features dequantize to 0, as before
+            scales = torch.zeros(len(items), L, items[0][3].shape[-1], dtype=items[0][3].dtype)
         anchors = []
-        for row, (i, (ids, mask, feats)) in enumerate(zip(index, items)):
+        for row, (i, (ids, mask, feats, feat_scales)) in enumerate(zip(index, items)):
             input_ids[row, : ids.numel()], loss_mask[row, : ids.numel()] = ids, mask
             if features is not None:
                 features[row, : ids.numel()] = feats
+            if scales is not None:
+                scales[row, : ids.numel()] = feat_scales
             g = torch.Generator().manual_seed(seed_for(self.schedule.seed, "anchors", epoch, i))
             anchors.append(sample_anchors(mask, self.num_anchors, g))
         blocks = pack_blocks(input_ids, loss_mask, lengths, anchors, self.block_size, self.mask_token_id)
         weight_sum = float((blocks.label_mask.double() * self.weights).sum())
         return Batch(step, micro, epoch, index, [self.source.id_of(i) for i in index], input_ids, loss_mask,
-                     lengths, features, blocks, weight_sum)
+                     lengths, features, scales, blocks, label_rows(blocks.label_mask), weight_sum,
+                     int(lengths.sum()), int(blocks.valid.sum()))
 
 
 class CachedSource:
-    """Offline: sequences and features from a FeatureCache."""
+    """Offline: sequences and features from a FeatureCache. source[i] = (input_ids [T], loss_mask [T],
+    features [T, n_layers*H] in the storage dtype, float8 scales [T, n_layers] or None)."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -119,7 +158,7 @@ class CachedSource:
         return len(self.cache)
 
     def __getitem__(self, i):
-        return self.cache[i]
+        return self.cache.stored(i)
 
     def id_of(self, i: int) -> str:
         return self.cache.ids[i]
@@ -136,7 +175,7 @@ class SequenceSource:
 
     def __getitem__(self, i):
         s = self.sequences[i]
-        return s.input_ids, s.loss_mask, None
+        return s.input_ids, s.loss_mask, None, None
 
     def id_of(self, i: int) -> str:
         return self.sequences[i].id

@@ -1,10 +1,10 @@
 """train(job): the DFlash training loop (accelerate: one process to many nodes).
 
-Read `train()` top to bottom: set-up, then the step loop with its helpers `train_step`,
-`log_window`, `evaluate` and `save`. Offline mode reads the feature cache (extracted first if
-missing); online mode runs the frozen target in-process on every batch through the same feature
-function. Either way the drafter borrows the target's frozen embed_tokens and lm_head, and the
-objective is DESIGN §2's.
+Read `train()` top to bottom: set-up, then the step loop with its helpers `train_step` (in
+dflash.train.step, with what a step costs the host), `log_window`, `evaluate` and `save`. Offline
+mode reads the feature cache (extracted first if missing); online mode runs the frozen target
+in-process on every batch through the same feature function. Either way the drafter borrows the
+target's frozen embed_tokens and lm_head, and the objective is DESIGN §2's.
 """
 
 from __future__ import annotations
@@ -13,31 +13,28 @@ import logging
 import random
 import resource
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dflash.config import JobConfig
-from dflash.dist import Dist
+from dflash.dist import Dist, current
 from dflash.drafter import metrics
-from dflash.drafter.blocks import draft_packed
 from dflash.drafter.build import build_drafter, load_drafter
-from dflash.drafter.loss import block_loss
 from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
 from dflash.layout import RunLayout
 from dflash.provenance import check_provenance
-from dflash.target.features import target_forward
 from dflash.tracking import RunLogger, config_dict, default_run_name, record_run, setup_logging
 from dflash.train import checkpoints as ckpt
 from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
-from dflash.train.batches import MicroBatches, Schedule, add_noise
+from dflash.train.batches import MicroBatches, Schedule
 from dflash.train.optim import build_optimizer, build_scheduler
 from dflash.train.sources import keep_heads_only, training_source, training_target
+from dflash.train.step import train_step, window_totals
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +46,8 @@ class TrainState:
     step: int = 0
     best_tau: float | None = None
     window: dict = field(default_factory=dict)
-    """Sums since the last log line: loss, slot counts, tokens, anchors, weight, grad norm."""
+    """Sums since the last log line: loss, slot counts, tokens, anchors, weight, grad norm (device tensors
+    but the token and anchor counts; read back by log_window only)."""
     window_start: float = field(default_factory=time.time)
 
 
@@ -71,7 +69,7 @@ def train(job: JobConfig) -> Path:
                           "train.resume=latest|best|step<N>|<path>")
     acc = make_accelerator(job)
     backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
-    dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
+    dist = current()  # the Accelerator's processes, with the store that long waits go through
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
     setup_logging(run.log if acc.is_main_process else None, acc.is_main_process)
@@ -91,6 +89,7 @@ def train(job: JobConfig) -> Path:
                          f"{heldout_set.root}", fields=("kernel_backend",))
     if job.train.mode == "offline":
         keep_heads_only(target)
+    dist.wait_long("data")  # each process took its own time (loading, hashing, extracting); DDP set-up is a collective
 
     # the drafter, fresh or resumed
     if resumed and resumed["manifest"] is not None:
@@ -111,6 +110,7 @@ def train(job: JobConfig) -> Path:
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
                         drafter.block_size, drafter.mask_token_id, gamma)
+    # pinned (Batch.pin_memory) on CUDA, so train_step's non_blocking copies do not wait for the device
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
                                                pin_memory=acc.device.type == "cuda"))
     logger = RunLogger(run, job.logger, job, main=acc.is_main_process, job_type="train")
@@ -225,72 +225,15 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     return Model(drafter, model, optimizer, scheduler)
 
 
-def batch_features(acc, target, drafter, batch) -> torch.Tensor:
-    """Context features of a micro-batch: from the cache, or (online) from the target now."""
-    if batch.features is not None:
-        return batch.features.to(acc.device, non_blocking=True)
-    mask = (torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]).long()
-    out = target_forward(target, batch.input_ids.to(acc.device), drafter.target_layer_ids,
-                         attention_mask=mask.to(acc.device) if bool((mask == 0).any()) else None)
-    return out.features.float()
-
-
-def train_step(job: JobConfig, acc, m: Model, target, micro: list, state: TrainState, gamma: float,
-               backend: str, run: RunLayout) -> None:
-    """One optimizer step over `micro` (grad_accum micro-batches); sums go into state.window."""
-    local_w = torch.tensor(sum(b.weight_sum for b in micro), dtype=torch.float64, device=acc.device)
-    total_w = acc.reduce(local_w, reduction="sum").item() if acc.num_processes > 1 else local_w.item()
-    scale = acc.num_processes / max(total_w, 1e-12)  # DDP averages gradients over processes
-    window, n_layers = state.window, len(m.drafter.target_layer_ids)
-    for i, batch in enumerate(micro):
-        blocks = batch.blocks.to(acc.device)
-        clean = batch_features(acc, target, m.drafter, batch)
-        noised = add_noise(clean, job.noise, n_layers, job.train.seed, batch.epoch, batch.index)
-        sync = i == len(micro) - 1
-        with acc.no_sync(m.model) if not sync else nullcontext(), acc.autocast():
-            hidden = draft_packed(m.drafter, target.embed_tokens, noised, blocks, backend, model=m.model,
-                                  num_blocks=job.train.num_anchors)
-            loss_sum, _, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
-                                           job.loss.chunk_logits)
-        bad = torch.tensor(0.0 if torch.isfinite(loss_sum) else 1.0, device=acc.device)
-        if (acc.reduce(bad, reduction="sum") if acc.num_processes > 1 else bad).item():
-            raise TrainingError(_stopped(run, f"non-finite loss ({loss_sum.item()})", batch))
-        acc.backward(loss_sum * scale)
-        window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.item()
-        window["counts"] = metrics.add(window.get("counts"), metrics.count(pred, blocks.labels, blocks.label_mask))
-        window["tokens"] = window.get("tokens", 0) + int(batch.lengths.sum())
-        window["anchors"] = window.get("anchors", 0) + int(blocks.valid.sum())
-    window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
-    grad_norm = acc.clip_grad_norm_(m.model.parameters(), job.optim.grad_clip or float("inf"))
-    if not torch.isfinite(torch.as_tensor(grad_norm)):
-        raise TrainingError(_stopped(run, f"non-finite gradient norm ({grad_norm})", micro[-1]))
-    window["grad_norm"] = float(grad_norm)
-    m.optimizer.step()
-    m.scheduler.step()
-    m.optimizer.zero_grad(set_to_none=True)
-
-
-def _stopped(run: RunLayout, what: str, batch) -> str:
-    last = run.list_checkpoints()
-    kept = f"the last good checkpoint {last[-1][1]} is untouched" if last else "no checkpoint was written yet"
-    return (f"{what} at step {batch.step + 1} (epoch {batch.epoch}, micro-batch {batch.micro}, sequences "
-            f"{batch.ids}); stopping, {kept}. Lower optim.lr, check those sequences' features, or resume "
-            f"from the last checkpoint with train.resume=latest")
-
-
 def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_epoch: int) -> dict:
-    """Reduce the window's sums over processes and log train/* metrics; returns them."""
-    w = state.window
-    sums = torch.tensor([w["loss_sum"], w["tokens"], w["anchors"]], dtype=torch.float64, device=acc.device)
-    counts = {k: v.to(acc.device) for k, v in w["counts"].items()}
-    if acc.num_processes > 1:
-        sums = acc.reduce(sums, reduction="sum")
-        counts = {k: acc.reduce(v, reduction="sum") for k, v in counts.items()}
+    """Reduce the window's sums over processes (one collective, one read-back) and log train/* metrics;
+    returns them."""
+    w = window_totals(acc, state.window)
     elapsed = max(time.time() - state.window_start, 1e-9)
-    out = {"train/loss": float(sums[0]) / max(w["weight"], 1e-12),
-           **metrics.finalize({k: v.cpu() for k, v in counts.items()}, "train"),
+    out = {"train/loss": w["loss_sum"] / max(w["weight"], 1e-12),
+           **metrics.finalize(w["counts"], "train"),
            "train/lr": m.scheduler.get_last_lr()[0], "train/grad_norm": w["grad_norm"],
-           "train/tokens_per_s": float(sums[1]) / elapsed, "train/anchors_per_s": float(sums[2]) / elapsed,
+           "train/tokens_per_s": w["tokens"] / elapsed, "train/anchors_per_s": w["anchors"] / elapsed,
            "train/peak_memory_gb": peak_memory_bytes(acc.device) / 2**30,
            "train/epoch": state.step / steps_per_epoch}
     if flex_compile_count():  # bounded by the length buckets (see dflash.drafter.blocks.flex_padded_shape)
@@ -312,7 +255,7 @@ def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout,
 
         summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
     del drafter
-    acc.wait_for_everyone()
+    current().wait_long("eval")  # the others wait for as long as the held-out set takes, not a collective's timeout
     return summary
 
 

@@ -1,10 +1,12 @@
-"""Which sequences each process reads at each step: dflash.train.batches.Schedule and seed_for."""
+"""Which sequences each process reads at each step (dflash.train.batches.Schedule, seed_for) and what a Batch
+carries to the device."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from dflash.train.batches import Schedule, seed_for
 from tests.conftest import REPO
@@ -83,3 +85,66 @@ def test_seed_for_is_deterministic_across_processes():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(seed_for(0, "order", 0)), str(seed_for(0, "anchors", 1, 7))]
     assert seed_for(0, "order", 0) == 2094333682667709378
+
+
+class FeatureSource:
+    """Three sequences of lengths 7, 5, 9 with bfloat16 features [T, 2*4] (two layers of width 4), as
+    CachedSource gives them: (input_ids, loss_mask, features, scales)."""
+
+    lengths = (7, 5, 9)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        n = self.lengths[i]
+        g = torch.Generator().manual_seed(i)
+        mask = torch.arange(n) >= 2
+        return torch.randint(0, 50, (n,), generator=g), mask, torch.randn(n, 8, generator=g).bfloat16(), None
+
+    def id_of(self, i: int) -> str:
+        return f"seq-{i}"
+
+
+def feature_batch():
+    from dflash.train.batches import MicroBatches
+
+    schedule = Schedule(num_sequences=3, batch_size=3, world=1, grad_accum=1, seed=0)
+    return MicroBatches(FeatureSource(), schedule, rank=0, start_step=0, total_steps=1, num_anchors=3, block_size=4,
+                        mask_token_id=99, gamma=4.0)[0]
+
+
+def tensors_of(batch) -> dict:
+    """Every tensor of a Batch, its packed blocks' included, by field name."""
+    import dataclasses
+
+    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if torch.is_tensor(getattr(batch, f.name))}
+    out.update({f"blocks.{f.name}": getattr(batch.blocks, f.name) for f in dataclasses.fields(batch.blocks)
+                if torch.is_tensor(getattr(batch.blocks, f.name))})
+    return out
+
+
+def test_the_data_loaders_pinning_pins_every_tensor_of_a_batch(monkeypatch):
+    """DataLoader(pin_memory=True) pins tensors and objects with a pin_memory() method, nothing else: a Batch
+    has one, which pins its tensors, the packed blocks' too (pinning needs CUDA: here Tensor.pin_memory is
+    replaced by a recording copy; tests/test_gpu.py checks real pinning)."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from dflash.train.batches import Batch
+
+    batch = feature_batch()
+    pinned = []
+
+    def fake_pin(self, *args, **kwargs):
+        pinned.append(self.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    out = pin_memory(batch)
+    assert isinstance(out, Batch) and out is not batch
+    before, after = tensors_of(batch), tensors_of(out)
+    assert before.keys() == after.keys() and {"features", "label_rows", "blocks.labels"} <= after.keys()
+    assert len(pinned) == len(after) and all(any(t is p for p in pinned) for t in after.values())
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert (out.ids, out.weight_sum, out.num_tokens, out.num_blocks) == (batch.ids, batch.weight_sum, 21, 8)
+    assert out.features.dtype == torch.bfloat16  # as stored: the device upcasts

@@ -220,6 +220,74 @@ def test_resume_gives_the_uninterrupted_run(ddp_and_fsdp, mode):
     assert losses(cut) == losses(full)
 
 
+COUNT_REDUCTIONS = """
+# train.py under FSDP_ON_CPU (fsdp_on_cpu.py next to this file), counting each optimizer step's collectives:
+# FSDP2 reduces each shard group's gradients with torch.distributed.reduce_scatter_single, accelerate's reduce
+# is torch.distributed.all_reduce. One JSON list a process, a record a step.
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from dflash.train import loop
+
+calls = {"reduce_scatter": 0, "all_reduce": 0}
+
+
+def counted(name, collective):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return collective(*args, **kwargs)
+    return call
+
+
+dist.reduce_scatter_single = counted("reduce_scatter", dist.reduce_scatter_single)
+dist.all_reduce = counted("all_reduce", dist.all_reduce)
+steps, train_step = [], loop.train_step
+
+
+def counting_step(job, acc, m, target, micro, *args):
+    before = dict(calls)
+    train_step(job, acc, m, target, micro, *args)
+    groups = sum(isinstance(module, FSDPModule) for module in m.model.modules())
+    steps.append({"micro": len(micro), "groups": groups, **{k: calls[k] - before[k] for k in calls}})
+    Path(f"steps-{acc.process_index}.json").write_text(json.dumps(steps))
+
+
+loop.train_step = counting_step
+sys.argv = [str(Path(__file__).with_name("fsdp_on_cpu.py"))] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_gradient_accumulation_reduces_once_per_step(tmp_path, tiny_targets):
+    """grad_accum=4 under FSDP2 (FSDP_ON_CPU): micro-batches 1-3 run forward and backward inside no_sync (FSDP2
+    reads the flag in backward), so a step reduce-scatters each shard group's gradients once, not four times;
+    its other collectives are the global weight sum and the non-finite flag. The weights are those of one
+    process with the same global batch (8 sequences a step) and no accumulation."""
+    (tmp_path / "fsdp_on_cpu.py").write_text(FSDP_ON_CPU)
+    (tmp_path / "count.py").write_text(COUNT_REDUCTIONS)
+    common = ["debug=tiny", "noise=gaussian", "train.max_steps=4", "train.save_every=100", "eval.at_start=false",
+              "eval.max_prompts=1"]
+    launch(tmp_path, 2, "run.name=fsdp", "train.distributed=fsdp", "train.batch_size=1", "train.grad_accum=4",
+           script=tmp_path / "count.py", common=common)
+    launch(tmp_path, 1, "run.name=one", "train.batch_size=8", common=common)
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"steps-{rank}.json").read_text())
+        assert len(steps) == 4 and steps[0]["groups"] >= 2, steps
+        assert all(s == {"micro": 4, "groups": s["groups"], "reduce_scatter": s["groups"], "all_reduce": 2}
+                   for s in steps), steps
+    one, fsdp = tmp_path / "runs/one", tmp_path / "runs/fsdp"
+    a, b = losses(one), losses(fsdp)
+    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    wa, wb = weights(one, 4), weights(fsdp, 4)
+    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (FSDP shards across processes)")
@@ -238,3 +306,63 @@ def test_fsdp_on_cuda_trains_as_ddp_and_resumes(tmp_path, tiny_targets):
     launch(tmp_path, gpus, "run.name=fsdp", "train.distributed=fsdp", "train.resume=latest", common=same, cpu=False)
     resumed = weights(fsdp)
     assert all(torch.equal(wb[k], resumed[k]) for k in wb)
+
+
+# -- waits longer than the collective timeout ---------------------------------------------------------------
+
+LATE = """
+# train.py (argv[1]) with process 0 late by LATE_S seconds in completions, in extraction (once each) and in every
+# in-run evaluation; each late start is recorded in late-0.txt, with the process group's timeout
+import os
+import runpy
+import sys
+import time
+
+import torch
+
+from dflash.data import completions, extraction
+from dflash.evaluate import runner
+
+late = float(os.environ["LATE_S"])
+
+
+def delayed(module, name, every_call):
+    original, calls = getattr(module, name), []
+
+    def wrapper(*args, **kwargs):
+        if os.environ["RANK"] == "0" and (every_call or not calls):
+            group = torch.distributed.distributed_c10d._get_default_group()
+            timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            with open("late-0.txt", "a") as f:
+                f.write(f"{name} {timeout:g}\\n")
+            time.sleep(late)
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+
+
+delayed(completions, "_run_hf", every_call=False)
+delayed(extraction, "batched_features", every_call=False)
+delayed(runner, "evaluate_in_run", every_call=True)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_process_late_past_the_collective_timeout_in_completions_extraction_and_evaluation(tmp_path, tiny_targets,
+                                                                                             monkeypatch):
+    """A 3 s collective timeout (train.collective_timeout_minutes=0.05) and process 0 6 s late in generating
+    completions, in extracting features and in both in-run evaluations: process 1's waits do not time out
+    (tests/test_dist.py shows that a plain barrier would), and the run completes."""
+    (tmp_path / "late.py").write_text(LATE)
+    monkeypatch.setenv("LATE_S", "6")
+    launch(tmp_path, 2, "train.collective_timeout_minutes=0.05", "train.max_steps=2", "run.name=late",
+           script=tmp_path / "late.py")
+    assert (tmp_path / "late-0.txt").read_text().splitlines() == [
+        "_run_hf 3", "batched_features 3", "evaluate_in_run 3", "evaluate_in_run 3"]
+    run = tmp_path / "runs/late"
+    assert len(losses(run)) == 2
+    assert (run / "eval/step-000000/summary.json").exists() and (run / "eval/step-000002/summary.json").exists()
+    assert (run / "checkpoints/step-000002/model.safetensors").exists()

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from dflash.errors import ConfigError, TrainingError
 from dflash.layout import CheckpointLayout, RunLayout
 from dflash.train import loop as training
+from dflash.train import step as stepping
 from dflash.train.loop import train
 from tests.conftest import compose
 
@@ -92,18 +93,18 @@ def test_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
 
 def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
     seen = {}
-    real_draft, real_loss = training.draft_packed, training.block_loss
+    real_draft, real_loss = stepping.draft_packed, stepping.block_loss
 
     def spy_draft(drafter, embed, features, blocks, backend, **kwargs):
         seen.setdefault("features", []).append(features.clone())
         return real_draft(drafter, embed, features, blocks, backend, **kwargs)
 
-    def spy_loss(hidden, weight, labels, mask, gamma, chunk):
+    def spy_loss(hidden, weight, labels, mask, gamma, chunk, **kwargs):
         seen.setdefault("labels", []).append(labels.clone())
-        return real_loss(hidden, weight, labels, mask, gamma, chunk)
+        return real_loss(hidden, weight, labels, mask, gamma, chunk, **kwargs)
 
-    monkeypatch.setattr(training, "draft_packed", spy_draft)
-    monkeypatch.setattr(training, "block_loss", spy_loss)
+    monkeypatch.setattr(stepping, "draft_packed", spy_draft)
+    monkeypatch.setattr(stepping, "block_loss", spy_loss)
     train(job_for(workdir, "clean", "train.max_steps=2"))
     clean = dict(seen)
     seen.clear()
@@ -117,15 +118,15 @@ def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
 
 
 def test_nan_loss_stops_with_step_and_batch_and_keeps_the_checkpoint(workdir, monkeypatch):
-    real = training.block_loss
+    real = stepping.block_loss
     calls = {"n": 0}
 
-    def poisoned(*args):
+    def poisoned(*args, **kwargs):
         calls["n"] += 1
-        loss_sum, w, pred = real(*args)
+        loss_sum, w, pred = real(*args, **kwargs)
         return (loss_sum * float("nan") if calls["n"] == 6 else loss_sum), w, pred
 
-    monkeypatch.setattr(training, "block_loss", poisoned)
+    monkeypatch.setattr(stepping, "block_loss", poisoned)
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step 6 .*sequences \['tiny-.*untouched"):
         train(job_for(workdir, "nan", "train.max_steps=10", "train.save_every=4"))
     run = workdir / "runs" / "nan"
