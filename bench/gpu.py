@@ -1,25 +1,25 @@
-"""GPU measurements. bench/gpu_checks.py turns them into the PASS/FAIL lines of bench/gpu_check.sh;
-`gpu_train_step` and `gpu_extraction_kernels` are also `python -m bench` suites.
+"""GPU measurements of the drafter's training step. bench/gpu_checks.py turns them into the PASS/FAIL
+lines of bench/gpu_check.sh; `gpu_train_step` and `gpu_extraction_kernels` are also `python -m bench`
+suites. (The target side, kernels and live decoding, is bench/gpu_target.py.)
 
 - `flex_lengths`: the compiled flex training step at Qwen3-8B drafter size over several context
-  lengths: tokens/s, MFU against the GPU's bf16 peak, peak memory, and how many flex graphs compiled.
+  lengths: tokens/s, MFU against the GPU's bf16 peak, peak memory, and what dynamo compiled per length.
+- `preset_step`: one experiment preset's training step at its configured shape (the Qwen3.6-27B
+  drafter at 3072 tokens and 512 anchors), its peak memory next to bench.plan's estimate.
 - `autocast_gap`: one batch through bf16 autocast and through float32, same weights and features.
-- `extraction_kernels`: a tiny hybrid target's features with the fla kernels and with the PyTorch
-  fallback, both against a float32 reference.
-- `live_lossless`: speculative decoding checked token for token against plain decoding.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
-from bench.measure import timed
+from bench.measure import TensorPeak, timed
 from bench.plan import TARGETS
-from dflash.drafter.blocks import draft_packed, pack_blocks, sample_anchors
+from dflash.drafter.blocks import draft_packed, flex_padded_shape, pack_blocks, sample_anchors
 from dflash.drafter.loss import block_loss
 from dflash.drafter.model import DFlashDraftModel, drafter_config
 
@@ -29,6 +29,7 @@ QWEN3_8B = TARGETS["qwen3_8b"][1]
 SMALL = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 BLOCK, GAMMA, CHUNK_LOGITS = 16, 7.0, 2**27  # the recipe: B=16, gamma 7, loss.chunk_logits default
+QWEN3_6_PRESET = ["experiment=qwen3_6_27b", "train.mode=offline"]  # 3072 tokens, 512 anchors (the preset's)
 
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring; first match wins.
 PEAK_BF16_TFLOPS = (("H200 NVL", 835), ("H200", 989), ("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989),
@@ -38,6 +39,15 @@ PEAK_BF16_TFLOPS = (("H200 NVL", 835), ("H200", 989), ("H100 NVL", 835), ("H100 
 def bf16_peak(device_name: str) -> float | None:
     """FLOP/s of the GPU's dense bf16 peak, or None for a GPU not in the table."""
     return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def _device_peak(device) -> float | None:
+    return bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_drafter(dims: dict, device, num_layers: int = 5):
@@ -58,35 +68,52 @@ def make_drafter(dims: dict, device, num_layers: int = 5):
     return drafter, embed, head.requires_grad_(False)
 
 
-def make_batch(drafter, length: int, num_anchors: int, device, seed: int = 0):
-    """One sequence of `length` tokens, all response, `num_anchors` blocks, and float32 features that
-    are exactly bf16 values (so a bf16 and a float32 run see the same numbers)."""
+def make_batch(drafter, length: int, num_anchors: int, device, seed: int = 0, spread: bool = False):
+    """One sequence of `length` tokens, all response, `num_anchors` blocks (sampled, or with `spread`
+    evenly over the sequence, as bench.plan assumes), and float32 features that are exactly bf16 values
+    (so a bf16 and a float32 run see the same numbers)."""
     g = torch.Generator().manual_seed(seed)
     vocab, width = drafter.config.vocab_size, drafter.fc.in_features
     ids = torch.randint(0, vocab - 2, (1, length), generator=g)
     mask = torch.ones(1, length, dtype=torch.bool)
-    blocks = pack_blocks(ids, mask, torch.tensor([length]), [sample_anchors(mask[0], num_anchors, g)],
-                         drafter.block_size, drafter.mask_token_id).to(device)
+    anchors = torch.linspace(0, length - 2, num_anchors).round().long() if spread else \
+        sample_anchors(mask[0], num_anchors, g)
+    blocks = pack_blocks(ids, mask, torch.tensor([length]), [anchors], drafter.block_size,
+                         drafter.mask_token_id).to(device)
     feats = torch.randn(1, length, width, generator=g).to(torch.bfloat16).float().to(device)
     return blocks, feats
 
 
-def loss_and_backward(drafter, embed, head_weight, feats, blocks, backend: str, autocast: bool) -> float:
-    """The training step's forward and backward (as dflash.train.loop.train_step, with num_anchors
+def loss_and_backward(drafter, embed, head_weight, feats, blocks, backend: str, autocast: bool,
+                      gamma: float = GAMMA, chunk_logits: int = CHUNK_LOGITS) -> float:
+    """The training step's forward and backward (as dflash.train.step.train_step, with num_anchors
     blocks per sequence as the padded block count); returns the loss."""
     with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft_packed(drafter, embed, feats, blocks, backend, num_blocks=blocks.anchors.shape[1])
-        loss_sum, weight, _ = block_loss(hidden, head_weight, blocks.labels, blocks.label_mask, GAMMA, CHUNK_LOGITS)
+        loss_sum, weight, _ = block_loss(hidden, head_weight, blocks.labels, blocks.label_mask, gamma, chunk_logits)
     loss = loss_sum / weight
     loss.backward()
     return loss.item()
 
 
+def visible_pairs(blocks, window: int | None) -> float:
+    """(query, key) pairs the packed mask lets real blocks see. Full attention: each query sees the
+    context before its anchor and its block's B keys. Sliding (window W): slot k at position anchor + k
+    sees the context from anchor + k - (W - 1) on and the block's first k + 1 keys."""
+    B = blocks.block_size
+    anchors = blocks.anchors.float()[blocks.valid]  # [m]
+    if window is None:
+        return float((anchors + B).sum()) * B
+    k = torch.arange(B, dtype=torch.float32, device=anchors.device)
+    ctx = anchors[:, None] - (anchors[:, None] + k - (window - 1)).clamp(min=0)  # [m, B]
+    return float((ctx.clamp(min=0) + k + 1).sum())
+
+
 def train_flops(drafter, blocks) -> dict:
-    """Model FLOPs of one training step of a full-attention drafter, padding excluded: 2 per
-    multiply-add; backward twice the forward for trained weights, once for frozen ones (fc passes no
-    gradient to the features, the LM head none to its weight); attention over the visible
-    (query, key) pairs only. {"matmul": ..., "attention": ...}."""
+    """Model FLOPs of one training step, padding excluded: 2 per multiply-add; backward twice the
+    forward for trained weights, once for frozen ones (fc passes no gradient to the features, the LM
+    head none to its weight); attention over the pairs each layer's mask makes visible
+    (`visible_pairs`). {"matmul": ..., "attention": ...}."""
     c, B = drafter.config, drafter.block_size
     H, hd, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     b, n = blocks.anchors.shape
@@ -94,95 +121,242 @@ def train_flops(drafter, blocks) -> dict:
     per_layer = 2 * Q * H * nh * hd * 2 + 2 * (L + Q) * H * nkv * hd * 2 + 2 * Q * H * c.intermediate_size * 3
     fc = 2 * L * drafter.fc.in_features * H
     head = 2 * float(blocks.label_mask.sum()) * H * c.vocab_size
-    pairs = float((blocks.anchors.float() + B)[blocks.valid].sum()) * B  # a block sees anchor + B keys
+    windows = [c.sliding_window if t == "sliding_attention" else None for t in drafter.layer_types]
     return {"matmul": 3 * len(drafter.layers) * per_layer + 2 * fc + 2 * head,
-            "attention": 3 * len(drafter.layers) * 4 * pairs * hd * nh}
+            "attention": sum(3 * 4 * visible_pairs(blocks, w) * hd * nh for w in windows)}
 
 
-class RecompileWatch(logging.Handler):
-    """Collects dynamo's 'hit config.recompile_limit' warnings (past the limit a function runs
-    uncompiled: for flex attention, a dense reference path)."""
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process (its own count)."""
+    from torch._dynamo.utils import counters
 
-    LOGGERS = ("torch._dynamo", "torch._dynamo.convert_frame")
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileWatch(logging.Handler):
+    """What dynamo compiles while active, by its own records: graphs (counters["stats"]["unique_graphs"]),
+    recompiles (its "Recompiling function" records, from the recompiles log this turns on: a guard of
+    every graph so far failed, so a new one was compiled) with their reasons, and hits of the recompile
+    limit (past it a function runs uncompiled: flex attention then materialises every score).
+    `mark()` gives the counts so far; two marks' difference is what the steps between them compiled."""
+
+    LIMIT_LOGGERS = ("torch._dynamo", "torch._dynamo.convert_frame")
 
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.DEBUG)
+        self.recompiles: list[str] = []
         self.hits: list[str] = []
         self._last = None
 
     def emit(self, record):
+        if record is self._last:  # seen again as it propagates to a parent logger
+            return
+        self._last = record
         msg = record.getMessage()
-        limit = any(k in msg for k in ("recompile_limit", "cache_size_limit", "recompile limit"))
-        if limit and record is not self._last:
+        if msg.startswith("Recompiling function"):
+            self.recompiles.append(" | ".join(ln.strip() for ln in msg.splitlines()[:4]))
+        elif record.levelno >= logging.WARNING and any(
+                k in msg for k in ("recompile_limit", "cache_size_limit", "recompile limit")):
             self.hits.append(msg.splitlines()[0])
-        self._last = record  # seen by both loggers when it propagates
 
     def __enter__(self):
-        for name in self.LOGGERS:
-            logging.getLogger(name).addHandler(self)
+        torch._logging.set_logs(recompiles=True)
+        self._loggers = [logging.getLogger(n) for n in self.LIMIT_LOGGERS]
+        self._loggers.append(torch._logging.getArtifactLogger("torch._dynamo.guards", "recompiles"))
+        for logger in self._loggers:
+            logger.addHandler(self)
+        self._start = dynamo_graphs()
         return self
 
     def __exit__(self, *exc):
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeHandler(self)
+        for logger in self._loggers:
+            logger.removeHandler(self)
+        torch._logging.set_logs()
         return False
 
+    def mark(self) -> dict:
+        return {"graphs": dynamo_graphs() - self._start, "recompiles": len(self.recompiles),
+                "limit_hits": len(self.hits)}
 
-def compile_counts() -> dict:
-    """Flex graphs compiled so far in this process: dflash's own count (once the model exposes it)
-    and dynamo's count of unique graphs (the drafter compiles nothing else here)."""
-    from torch._dynamo.utils import counters
 
-    import dflash.drafter.model as model_module
+def _compiled_between(a: dict, b: dict) -> dict:
+    return {"graphs": b["graphs"] - a["graphs"], "recompiles": b["recompiles"] - a["recompiles"]}
 
-    own = getattr(model_module, "flex_compile_count", None)
-    return {"flex_compile_count": own() if own is not None else None,
-            "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"])}
+
+def next_cost(length: int, compiled: bool, measured: dict, repeat: int) -> float:
+    """Projected seconds to measure `length`: its first step (a compile when its padded shape is new,
+    projected from the last new-shape compile measured, a warm one once there is one: the first, cold
+    compile is paid once) or a plain step when the shape is compiled, then `repeat` timed steps (the
+    measured step times scaled to this length, the largest). measured: length -> its record."""
+    if not measured:
+        return 0.0
+    step = max(r["step_s"] * length / L for L, r in measured.items())
+    if compiled:
+        return (1 + repeat) * step
+    last_new = [r for r in measured.values() if r["new_shape"]][-1]
+    return last_new["first_step_s"] + repeat * step
 
 
 def flex_lengths(lengths: list[int], num_anchors: int, budget_s: float, device, dims: dict = QWEN3_8B,
-                 repeat: int = 3, on_length=None) -> dict:
-    """The compiled flex training step (AdamW included) at each context length, in order, until
-    `budget_s` would be exceeded. Per length: step time, tokens/s, TFLOP/s, MFU, peak memory, the
-    first step's time (compile included) and the compile counts after it."""
+                 repeat: int = 3, on_length=None, backend: str = "flex") -> dict:
+    """The compiled flex training step (AdamW included) at each context length in order; a length whose
+    projected time (`next_cost`) exceeds what is left of `budget_s` is skipped and the next ones are
+    still tried (a length of a compiled shape costs no compile). Per length: step time, tokens/s,
+    TFLOP/s, MFU, peak memory, the first step's time, and dynamo's graphs and recompiles in the first
+    step and in the timed steps after it. on_length(out) after each length (partial results)."""
+    import dflash.drafter.model as model_module
+
     drafter, embed, head = make_drafter(dims, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-    peak = bf16_peak(torch.cuda.get_device_name(device))
-    start, out = time.time(), {"lengths": {}, "gpu_bf16_peak_tflops": peak and peak / 1e12}
-    with RecompileWatch() as watch:
-        for i, L in enumerate(lengths):
-            spent = time.time() - start
-            last = max((r["first_step_s"] + repeat * r["step_s"] for r in out["lengths"].values()), default=0.0)
-            if i and spent + 1.5 * last > budget_s:
-                out["stopped"] = f"time budget: {spent:.0f} s of {budget_s:.0f} spent, {L} would not fit"
-                break
+    peak = _device_peak(device)
+    start, compiled = time.time(), set()
+    out = {"lengths": {}, "skipped": {}, "gpu_bf16_peak_tflops": peak and peak / 1e12}
+    with CompileWatch() as watch:
+        for L in lengths:
+            shape = flex_padded_shape(L, num_anchors, num_anchors)
+            cost, left = next_cost(L, shape in compiled, out["lengths"], repeat), budget_s - (time.time() - start)
+            if out["lengths"] and cost > left:
+                out["skipped"][L] = f"projected {cost:.0f} s, {left:.0f} s of {budget_s:.0f} left"
+                continue
             blocks, feats = make_batch(drafter, L, num_anchors, device, seed=L)
 
             def step(feats=feats, blocks=blocks):
-                loss_and_backward(drafter, embed, head.weight, feats, blocks, "flex", autocast=True)
+                loss_and_backward(drafter, embed, head.weight, feats, blocks, backend, autocast=True)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            torch.cuda.reset_peak_memory_stats(device)
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            before = watch.mark()
+            _sync(device)
             t0 = time.perf_counter()
-            step()  # compiles flex for this shape (or reuses a bucket's graph)
-            torch.cuda.synchronize(device)
-            first = time.perf_counter() - t0
+            step()  # compiles flex for a new padded shape; reuses the graph of a compiled one
+            _sync(device)
+            first, after_first = time.perf_counter() - t0, watch.mark()
             t = timed(step, repeat=repeat, warmup=0)
             flops = sum(train_flops(drafter, blocks).values())
             out["lengths"][L] = {
-                "step_s": round(t, 4), "first_step_s": round(first, 2),
+                "step_s": round(t, 4), "first_step_s": round(first, 2), "padded_shape": list(shape),
+                "new_shape": shape not in compiled, "first_step_compiled": _compiled_between(before, after_first),
+                "timed_steps_compiled": _compiled_between(after_first, watch.mark()),
                 "context_tokens_per_s": round(L / t, 1), "block_tokens_per_s": round(blocks.input_ids.numel() / t, 1),
                 "tflops": round(flops / t / 1e12, 1), "mfu": round(flops / t / peak, 3) if peak else None,
-                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2), **compile_counts()}
+                "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                if device.type == "cuda" else None}
+            compiled.add(shape)
             if on_length is not None:
                 on_length(out)
-    out["recompile_limit_hits"] = watch.hits
-    out["compiles"] = compile_counts()
-    out["shape"] = (f"drafter 5 layers at Qwen3-8B size (hidden 4096, vocab 151936), B={BLOCK}, {num_anchors} "
-                    f"anchors, bf16 autocast, AdamW; MFU = model FLOPs (visible attention pairs only) / bf16 peak")
+        out["recompile_limit_hits"] = watch.hits
+        out["recompile_reasons"] = watch.recompiles[:10]
+        out["compiles"] = {"dynamo_graphs": watch.mark()["graphs"], "dynamo_recompiles": len(watch.recompiles),
+                           "flex_compile_count": model_module.flex_compile_count()}
+    out["shape"] = (f"drafter 5 layers at {dims['hidden_size']} hidden, vocab {dims['vocab_size']}, B={BLOCK}, "
+                    f"{num_anchors} anchors, bf16 autocast, AdamW, {backend} attention; MFU = model FLOPs (visible "
+                    f"attention pairs only) / bf16 peak")
     return out
+
+
+def preset_job(overrides: list[str]):
+    """(job, Shape, Setup) of bench.plan for an experiment preset: the config groups train.py composes,
+    and the shape and step the plan estimates, for one sequence (batch 1, no accumulation, no
+    allowance or fragmentation: what the allocator counts)."""
+    from bench import plan
+
+    job = plan.compose(overrides)
+    _, shape, setup = plan.build(job)
+    return job, shape, replace(setup, batch=1, grad_accum=1, world=1, allowance=0.0, fragmentation=0.0)
+
+
+def preset_drafter(job: dict, device):
+    """The preset's drafter (build_drafter, float32) and the frozen embed_tokens / lm_head of its target
+    in target.dtype, random, made on `device`."""
+    from torch import nn
+
+    from bench.plan import target_config
+    from dflash.drafter.build import build_drafter
+    from dflash.target.loading import DTYPES, Target
+
+    text, dtype = target_config(job["target"]), DTYPES[job["target"].dtype]
+    H, V = text.hidden_size, text.vocab_size
+    torch.manual_seed(0)
+    with torch.device(device):
+        embed = nn.Embedding(V, H, dtype=dtype).requires_grad_(False)
+        head = nn.Linear(H, V, bias=False, dtype=dtype).requires_grad_(False)
+        target = Target(model=None, tokenizer=None, config=text, layers=None, final_norm=None, embed_tokens=embed,
+                        lm_head=head, mask_token_id=job["target"].mask_token_id, path=job["target"].path)
+        drafter = build_drafter(job["drafter"], job["layers"], target)
+    return drafter, embed, head
+
+
+def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) -> dict:
+    """One training step of an experiment preset at its configured shape (data.max_length tokens, all
+    response, train.num_anchors blocks spread evenly; bf16 autocast unless train.mixed_precision=no;
+    flex unless train.attention=sdpa; clipping and AdamW as training runs them): time of the first
+    step (compiles), median of `repeat` more, tokens/s, MFU, dynamo's graphs and recompiles, and the
+    peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak)
+    next to bench.plan's estimate for the same shape."""
+    from bench import plan
+    from dflash.config import OptimConfig
+    from dflash.train.batches import add_noise
+    from dflash.train.optim import build_optimizer
+
+    job, shape, setup = preset_job(overrides)
+    setup = replace(setup, foreach=device.type == "cuda")  # AdamW's default: foreach on CUDA tensors only
+    drafter, embed, head = preset_drafter(job, device)
+    drafter.gradient_checkpointing = setup.checkpointing  # as dflash.train.loop turns it on
+    drafter.train()
+    L, n = setup.ctx_len, setup.num_anchors
+    blocks, clean = make_batch(drafter, L, n, device, spread=True)
+    feats = add_noise(clean, job["noise"], len(drafter.target_layer_ids), 0, 0, [0])
+    optim = OptimConfig()
+    opt = build_optimizer(drafter, optim)
+    gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
+
+    def step():
+        loss_and_backward(drafter, embed, head.weight, feats, blocks, setup.backend, autocast, gamma,
+                          job["loss"].chunk_logits)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), optim.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with CompileWatch() as watch:
+        _sync(device)
+        t0 = time.perf_counter()
+        step()  # compiles one flex graph per mask kind; makes AdamW's state
+        _sync(device)
+        first, after_first = time.perf_counter() - t0, watch.mark()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            t = timed(step, repeat=repeat, warmup=0)
+            measured = torch.cuda.max_memory_allocated(device)
+        else:  # the tensors a step holds (persistent ones made before it counted by hand)
+            t = timed(step, repeat=1, warmup=0)
+            with TensorPeak() as mem:
+                mem.track(*drafter.parameters(), *drafter.buffers(), embed.weight, head.weight, clean, feats,
+                          *[v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)],
+                          *[v for v in vars(blocks).values() if torch.is_tensor(v)])
+                step()
+            measured = mem.peak
+        timed_compiled = _compiled_between(after_first, watch.mark())
+    estimate, phase = plan.peak(shape, setup)
+    flops, peak = sum(train_flops(drafter, blocks).values()), _device_peak(device)
+    types = ", ".join(f"{k} x{drafter.layer_types.count(k)}" for k in dict.fromkeys(drafter.layer_types))
+    c = drafter.config
+    return {
+        "shape": f"{' '.join(overrides)}: drafter {len(drafter.layers)} layers ({types}, window {c.sliding_window}), "
+                 f"heads {c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, hidden {c.hidden_size}, "
+                 f"vocab {c.vocab_size}, B={drafter.block_size}, {L} tokens, {n} anchors, {setup.backend}, "
+                 f"{'bf16 autocast' if autocast else 'float32'}",
+        "backend": setup.backend, "params": sum(p.numel() for p in drafter.parameters()),
+        "mask_kinds": len(set(drafter.layer_types)),
+        "step_s": round(t, 4), "first_step_s": round(first, 2),
+        "context_tokens_per_s": round(L / t, 1), "block_tokens_per_s": round(n * drafter.block_size / t, 1),
+        "tflops": round(flops / t / 1e12, 2), "mfu": round(flops / t / peak, 3) if peak else None,
+        "first_step_compiled": {"graphs": after_first["graphs"], "recompiles": after_first["recompiles"]},
+        "timed_steps_compiled": timed_compiled, "recompile_limit_hits": watch.hits,
+        "recompile_reasons": watch.recompiles[:10],
+        "peak_memory_gib": round(measured / 2**30, 3), "plan_peak_gib": round(estimate / 2**30, 3),
+        "plan_phase": phase, "plan_over_measured": round(estimate / measured, 3)}
 
 
 def autocast_gap(device, dims: dict, length: int, num_anchors: int, backend: str) -> dict:
@@ -207,128 +381,13 @@ def autocast_gap(device, dims: dict, length: int, num_anchors: int, backend: str
                      f"{num_anchors} anchors, B={BLOCK}"}
 
 
-def _gated_deltanet_outputs(model, ids, layers) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [b, L, 5 x H], every Gated DeltaNet module's output concatenated [b, L, 6 x H]), float32.
-    The modules' own outputs show a kernel's error: in a random-weight model their gated output is a
-    small part of the residual stream, so a wrong kernel would hardly move the features."""
-    from dflash.target.features import target_forward
-    from dflash.target.loading import as_target
-
-    outs = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: outs.append((o[0] if isinstance(o, tuple) else o).float()))
-             for m in model.modules() if "GatedDeltaNet" in type(m).__name__]
-    try:
-        features = target_forward(as_target(model), ids, layers).features.float()
-    finally:
-        for h in hooks:
-            h.remove()
-    return features, torch.cat(outs, -1)
-
-
-def extraction_kernels(device, batch: int = 8, length: int = 1024) -> dict:
-    """A tiny hybrid target (6 Gated DeltaNet + 2 attention layers, hidden 64) on [batch, length]
-    tokens, in bf16 with the kernels transformers bound (fla on a CUDA machine that has it) and with
-    the PyTorch fallback on the same weights, each compared with the fallback in float32 (the
-    reference) at the Gated DeltaNet outputs and at the features; and the time of each."""
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    from dflash.target.builtin import tiny_qwen3_5_config
-    from dflash.target.features import target_forward
-    from dflash.target.loading import as_target
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_qwen3_5_config(262), dtype=torch.bfloat16).to(device).eval()
-    target = as_target(model)
-    layers = [1, 2, 3, 4, 5]
-    ids = torch.randint(0, 256, (batch, length), device=device)
-    runs = {"bound": (timed(lambda: target_forward(target, ids, layers), repeat=5),
-                      *_gated_deltanet_outputs(model, ids, layers))}
-    linear = next(m for m in model.modules() if "GatedDeltaNet" in type(m).__name__)
-    module = sys.modules[type(linear).__module__]
-    saved = {k: getattr(module, k) for k in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")}
-    try:  # the reference PyTorch code on the same weights: the functions transformers wrapped
-        for k, fn in saved.items():
-            setattr(module, k, getattr(fn, "__wrapped__", fn))
-        runs["fallback"] = (timed(lambda: target_forward(target, ids, layers), repeat=5),
-                            *_gated_deltanet_outputs(model, ids, layers))
-        runs["reference"] = (None, *_gated_deltanet_outputs(model.float(), ids, layers))
-    finally:
-        for k, fn in saved.items():
-            setattr(module, k, fn)
-    out = {"kernels": target.kernels, "bound_s": round(runs["bound"][0], 4),
-           "fallback_s": round(runs["fallback"][0], 4),
-           "fallback_over_bound": round(runs["fallback"][0] / runs["bound"][0], 2)}
-    for i, what in ((1, "features"), (2, "deltanet")):
-        ref = runs["reference"][i]
-        out[f"{what}_rms"] = ref.pow(2).mean().sqrt().item()
-        out[f"{what}_max_abs_diff"] = (runs["bound"][i] - runs["fallback"][i]).abs().max().item()
-        for name in ("bound", "fallback"):
-            err = (runs[name][i] - ref).abs()
-            out[f"{what}_{name}_err_mean"], out[f"{what}_{name}_err_max"] = err.mean().item(), err.max().item()
-    return out
-
-
-def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48) -> dict:
-    """Speculative decoding against plain greedy decoding, token for token, on the toy target (a
-    trained hybrid: path verification with linear-state rollback) and the tiny Qwen3 (attention only:
-    path and DDTree verification), with a drafter that knows the answer but misses on purpose (so
-    blocks are partly accepted) and a random real drafter. Divergences follow the project's rule
-    (dflash.evaluate.live.check_lossless, eval.tie_margin null): at a top-2 logit margin under the
-    tie margin they are counted as ties, otherwise a LosslessError is raised."""
-    import os
-
-    from dflash.config import DrafterConfig, LayersConfig, TargetConfig
-    from dflash.data.prompts import encode, load_prompts, prompt_text
-    from dflash.drafter.build import build_drafter
-    from dflash.evaluate.decode import greedy_generate, speculative_generate
-    from dflash.evaluate.live import check_lossless
-    from dflash.target.loading import load_target
-    from tests.oracle import OracleDrafter
-
-    tmp = None if os.environ.get("DFLASH_HOME") else tempfile.TemporaryDirectory(prefix="dflash-gpu-check-")
-    home = os.environ.get("DFLASH_HOME") or tmp.name
-
-    def miss(p: int, k: int) -> bool:  # one deliberate miss per 7 slots: blocks partly accepted
-        return (p + k) % 7 == 0
-
-    out = {"runs": [], "tie_margin": {"float32": 1e-3, "bfloat16": 0.1}, "new_tokens": new_tokens}
-    for name, mask in (("toy", 5), ("tiny_qwen3", 261)):
-        for dtype in dtypes:
-            target = load_target(TargetConfig(name=name, path=f"{home}/targets/{name}", build=name, mask_token_id=mask,
-                                              dtype=dtype, device=str(device), allow_fallback_kernels=True), device)
-            tie = out["tie_margin"][dtype]
-            torch.manual_seed(0)
-            real = build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(num=3), target)
-            real = real.to(device, target.dtype).eval()
-            for prompt in load_prompts("builtin:eval_coding", limit=prompts):
-                text = prompt_text(target.tokenizer, prompt, True, False)
-                ids = torch.tensor([encode(target.tokenizer, text)], device=device)
-                plain = greedy_generate(target, ids, new_tokens)[0].tolist()
-                oracle = OracleDrafter(target, plain, block_size=8, wrong=miss).to(device).eval()
-                budgets = [None] if target.is_hybrid else [None, 8]
-                for kind, drafter in (("oracle", oracle), ("random", real)):
-                    for budget in budgets:
-                        res = speculative_generate(drafter, target, ids, new_tokens, tree_budget=budget)
-                        same = check_lossless(target, prompt.id, plain, res.output_ids[0].tolist(), ids.shape[1], tie)
-                        taus = res.acceptance_lengths
-                        out["runs"].append({"target": name, "kernels": target.kernels, "dtype": dtype,
-                                            "prompt": prompt.id, "drafter": kind, "tree_budget": budget,
-                                            "identical": same, "tau": round(sum(taus) / len(taus), 3),
-                                            "replays": res.replays})
-    if tmp is not None:
-        tmp.cleanup()
-    return out
-
-
-# `python -m bench` suites (a table row each; bench/gpu_check.sh runs the checks above instead)
+# `python -m bench` suites (a table row each; bench/gpu_check.sh runs the checks instead)
 
 def gpu_train_step(quick: bool, device, **_) -> dict:
     """CUDA only: the compiled flex training step at Qwen3-8B drafter size over several lengths."""
     if device.type != "cuda":
         return {"skipped": "needs CUDA"}
-    return flex_lengths([3072] if quick else [1024, 2048, 3072, 4096], 512, 600, device)
+    return flex_lengths([3072] if quick else [3072, 4096, 2048, 1024], 512, 600, device)
 
 
 def gpu_extraction_kernels(quick: bool, device, **_) -> dict:
@@ -339,4 +398,6 @@ def gpu_extraction_kernels(quick: bool, device, **_) -> dict:
         return {"skipped": "needs CUDA"}
     if importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention is not installed (pip install 'dflash[gpu]')"}
+    from bench.gpu_target import extraction_kernels
+
     return extraction_kernels(device)

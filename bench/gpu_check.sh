@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The prepared GPU check, for one CUDA machine (an H200: under 8 minutes), unattended, from a fresh
+# The prepared GPU check, for one CUDA machine (an H200: within 10 minutes), unattended, from a fresh
 # clone: installs what is missing, then prints one `PASS|FAIL|SKIP <check> ...` line per check:
-#   install          dflash's missing dependencies (offline from .whl/ when it is there)
-#   flex_train_step  compiled flex training steps at Qwen3-8B drafter size over 8 lengths (1000-4096):
-#                    tokens/s, MFU against the bf16 peak, peak memory, how many flex graphs compiled
+#   install          dflash's missing dependencies: from .whl/ when it is there (offline), into a folder
+#                    put on PYTHONPATH (.whl/site), never into the machine's own environment
+#   flex_train_step  compiled flex training steps at Qwen3-8B drafter size over up to 8 lengths (3072 and
+#                    4096 first): tokens/s, MFU against the bf16 peak, peak memory; FAIL when dynamo
+#                    compiles again for a shape it compiled before
+#   qwen3_6_step     the Qwen3.6-27B drafter's compiled flex step at 3072 tokens and 512 anchors: tokens/s,
+#                    MFU, graphs, peak memory; FAIL when bench.plan's estimate is more than 15% off it
 #   gpu_tests        pytest -m gpu
 #   autocast_loss    bf16 autocast against float32 on the same batch: loss and gradient direction
-#   fla_kernels      a tiny hybrid target with the fla kernels against the PyTorch fallback
-#   live_lossless    speculative decoding equals plain greedy decoding, float32 and bf16
-# and writes bench/results/<date>-<gpu>-gpu-check.json (also under $OUT when set). Without CUDA the
-# GPU-only checks print SKIP with the reason and the rest run small (a smoke test of this script).
+#   fla_kernels      hybrid targets (tiny, and with the real head dims of 128) with the fla kernels against
+#                    the PyTorch fallback, in bf16 and float32
+#   live_lossless    speculative decoding equals plain greedy decoding: exactly in float32; in bf16 every
+#                    divergence is listed with its logit margin and must be a numerical tie
+# and writes bench/results/<date>-<gpu>-gpu-check.json after every check (also under $OUT when set, with
+# the checks' logs). Without CUDA the GPU-only checks print SKIP with the reason and the rest run small.
 #
 #   bash bench/prepare_wheels.sh      # once, on a machine with network, for a GPU machine without it
 #   bash bench/gpu_check.sh           # exit status 1 when a check FAILed
 #
-# PYTHON picks the interpreter (default: .venv/bin/python when there, else python3);
-# GPU_CHECK_BUDGET the seconds for all checks after the install (default 400).
+# PYTHON picks the interpreter (default: .venv/bin/python when there, else python3); GPU_CHECK_BUDGET the
+# seconds for all checks after the install (default 480); GPU_CHECK_SITE the folder wheels install into
+# (default .whl/site, else $TMPDIR/dflash-gpu-check-site when .whl is not writable).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -26,10 +33,16 @@ fi
 start=$(date +%s)
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+# wheels go into a folder of their own, first on PYTHONPATH (the machine's environment may be read-only);
+# one installed by an earlier run is used as it is
+SITE=${GPU_CHECK_SITE:-$PWD/.whl/site}
+if [ -z "${GPU_CHECK_SITE:-}" ] && [ -d .whl ] && [ ! -w .whl ]; then SITE=${TMPDIR:-/tmp}/dflash-gpu-check-site; fi
+[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
 # One interpreter start for: the versions, whether CUDA is there, whether dflash is installed
 # (looked up without this checkout on sys.path) and which packages are missing. fla is wanted only
-# where CUDA is: on a CPU machine its presence makes transformers bind GPU kernels.
-needed="hydra:hydra-core omegaconf:omegaconf wandb:wandb transformers:transformers accelerate:accelerate"
+# where CUDA is: on a CPU machine its presence makes transformers bind GPU kernels. No check needs wandb.
+needed="hydra:hydra-core omegaconf:omegaconf transformers:transformers accelerate:accelerate"
 probe='import importlib.util as u, os, sys
 import torch
 cuda = torch.cuda.is_available()
@@ -48,17 +61,22 @@ read -r cuda dflash_installed missing <<<"$found"
 
 install="PASS"
 note="nothing missing"
+[ -d "$SITE" ] && note="nothing missing (with $SITE on PYTHONPATH)"
 if [ -n "$missing" ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     # every wheel of the prepared closure (bench/prepare_wheels.sh), without resolving, so the
     # machine's own torch, transformers and triton stay as they are; fla's only where CUDA is
     wheels=$(ls .whl/*.whl)
     [ "$cuda" = 1 ] || wheels=$(echo "$wheels" | grep -v -e '/fla_core-' -e '/flash_linear_attention-')
-    "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check $wheels 2>&1 | tail -5
-    note="installed $missing from .whl (offline)"
+    mkdir -p "$SITE"
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --no-warn-script-location --no-cache-dir \
+      --upgrade --target "$SITE" $wheels 2>&1 | tail -5
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    note="installed $missing from .whl (offline) into $SITE, on PYTHONPATH"
   else
+    # no prepared wheels: the package index, into the environment (needs network and a writable one)
     "$PY" -m pip install -q --disable-pip-version-check $missing 2>&1 | tail -5
-    note="installed $missing from the package index"
+    note="installed $missing from the package index (no .whl: bash bench/prepare_wheels.sh makes it)"
   fi
   broken=$("$PY" -c 'import importlib, sys
 for p in sys.argv[1:]:
@@ -80,7 +98,7 @@ fi
 echo "$install install $note ($(( $(date +%s) - start )) s)"
 export GPU_CHECK_INSTALL="$install $note"
 
-"$PY" -m bench.gpu_checks --budget "${GPU_CHECK_BUDGET:-400}" ${GPU_CHECK_RESULTS:+--results "$GPU_CHECK_RESULTS"}
+"$PY" -m bench.gpu_checks --budget "${GPU_CHECK_BUDGET:-480}" ${GPU_CHECK_RESULTS:+--results "$GPU_CHECK_RESULTS"}
 status=$?
 echo "gpu_check.sh: $(( $(date +%s) - start )) s in all"
 exit $status

@@ -4,44 +4,50 @@
     python -m bench.gpu_checks --only live_lossless autocast_loss
     python -m bench.gpu_checks --check flex_train_step --result r.json   # one check, in this process
 
-Writes bench/results/<date>-<machine>-gpu-check.json (and a copy under $OUT when that is set).
-On a machine without CUDA the GPU-only checks print SKIP with the reason and the others run small.
-Exit status 1 when a check FAILed.
+Writes bench/results/<date>-<machine>-gpu-check.json after every check (and a copy under $OUT when set;
+bench/gpu_runner.py says how a killed check or run keeps what finished). On a machine without CUDA the
+GPU-only checks print SKIP with the reason and the others run small. Exit status 1 when a check FAILed.
+A check may also be named `module:function` (a function taking the budget in seconds and returning
+{"status", "summary", ...}): the tests run fake checks so.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parents[1]
+from bench.gpu_runner import REPO, run_all, save_partial
+from dflash.io import write_json
 
-# flex lengths: pairs a few tokens apart (2048/2000, 1000/1024, 3072/3000) share a padded shape under
-# any bucketing coarser than 24 tokens; each pair's second length comes right after its first, so a
-# reused graph shows even when the time budget stops the list early
-FLEX_LENGTHS = [2048, 2000, 1000, 1024, 3072, 3000, 1500, 4096]
+RESULTS = Path(__file__).parent / "results"
+
+# flex lengths: the recipe's (3072, data.max_length of the presets) and 4096 first, then lengths that
+# share a padded shape with one measured before (3000 with 3072, 2000 with 2048, 1000 with 1024: the
+# context is padded to a multiple of 256), each right after its partner, so a reused graph is checked
+# early and costs no compile
+FLEX_LENGTHS = [3072, 4096, 3000, 2048, 2000, 1024, 1000, 1500]
+RECIPE_LENGTH = 3072
 FLEX_ANCHORS = 512
 LOSS_REL_TOL = 1e-2  # bf16 autocast against float32: see autocast_loss
 GRAD_COS_MIN = 0.99
+PLAN_TOL = 0.15  # bench.plan's peak against the measured one (tests/test_plan.py holds it to this on CPU)
+BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of bf16 logits (eval.tie_margin null)
 
-PARTIAL: Path | None = None
-"""Where a check may leave partial results for the case that it runs out of time."""
-
-# check -> time limit in seconds on an H200: flex runs alone, then the rest side by side, 400 s in all;
-# with the install and the machine's start that keeps bench/gpu_check.sh under 8 minutes
-TIMEOUTS = {"flex_train_step": 230, "gpu_tests": 170, "autocast_loss": 170, "fla_kernels": 170,
-            "live_lossless": 170}
+# check -> time limit in seconds on an H200: the two timing checks alone, one after the other (each pays
+# a cold compile of flex attention, ~70 s, the Qwen3.6 one for two mask kinds at head dim 256), then the
+# rest side by side: 480 s in all, so that bench/gpu_check.sh with its install ends within 10 minutes
+TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
+            "fla_kernels": 150, "live_lossless": 150}
+ALONE = ("flex_train_step", "qwen3_6_step")  # their tokens/s need the GPU to themselves
+DEFAULT_BUDGET = 480
 
 
 def _cuda() -> torch.device | None:
@@ -68,46 +74,92 @@ def gpu_tests(budget: float) -> dict:
             "counts": counts, "tail": lines[-40:]}
 
 
+def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> dict:
+    """PASS or FAIL for bench.gpu.flex_lengths' results, by dynamo's own counts: FAIL when a length of an
+    already compiled padded shape compiled a graph (a recompile: each batch would pay it again), when a
+    step after a length's first compiled anything, when the recompile limit was hit (flex then runs
+    uncompiled), when a new shape compiled nothing under flex (it ran uncompiled), when the recipe's
+    length was not measured, or when no measured length reused a shape (the reuse went untested)."""
+    rec, why = out["lengths"], []
+    if out["recompile_limit_hits"]:
+        why.append(f"recompile limit hit: {out['recompile_limit_hits'][0]}")
+    again = {L: r for L, r in rec.items() if r["timed_steps_compiled"]["graphs"]
+             or (not r["new_shape"] and r["first_step_compiled"]["graphs"])}
+    if again:
+        why.append("recompiled a compiled shape: " + ", ".join(
+            f"{L} ({r['first_step_compiled']['graphs'] * (not r['new_shape'])} graphs in its first step, "
+            f"{r['timed_steps_compiled']['graphs']} in the steps after)" for L, r in again.items())
+            + (f"; dynamo: {out['recompile_reasons'][-1]}" if out.get("recompile_reasons") else ""))
+    new = {L: r for L, r in rec.items() if r["new_shape"]}
+    if flex and any(r["first_step_compiled"]["graphs"] == 0 for r in new.values()):
+        uncompiled = [L for L, r in new.items() if not r["first_step_compiled"]["graphs"]]
+        why.append(f"no graph compiled for a new shape ({uncompiled}): flex ran uncompiled")
+    if recipe not in rec:
+        why.append(f"the recipe's length {recipe} was not measured")
+    reused = [L for L, r in rec.items() if not r["new_shape"]]
+    if rec and not reused:
+        why.append("no measured length reused a compiled shape: graph reuse went untested")
+    r = list(rec.values())
+    best = max(r, key=lambda x: x["tflops"]) if r else {}
+    mfus = [x["mfu"] for x in r if x["mfu"] is not None]
+    peaks = [x["peak_memory_gib"] for x in r if x["peak_memory_gib"] is not None]
+    c = out["compiles"]
+    figures = (f"{len(rec)}/{len(rec) + len(out['skipped'])} lengths ({', '.join(map(str, rec))})"
+               + (f", skipped for time {sorted(out['skipped'])}" if out["skipped"] else "")
+               + f", {min((x['context_tokens_per_s'] for x in r), default=0):.0f}-"
+                 f"{max((x['context_tokens_per_s'] for x in r), default=0):.0f} context tok/s, "
+                 f"{best.get('tflops', 0)} TFLOP/s best, "
+               + (f"mfu {min(mfus):.3f}-{max(mfus):.3f}" if mfus else "mfu n/a")
+               + f", peak {max(peaks, default=0)} GiB; dynamo: {c['dynamo_graphs']} graphs, {c['dynamo_recompiles']} "
+                 f"recompiles for {len(new)} new shapes, 0 expected for the {len(reused)} reused "
+                 f"({', '.join(map(str, reused)) or 'none'}); dflash's flex count {c['flex_compile_count']}")
+    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
+
+
 def flex_train_step(budget: float) -> dict:
-    """Compiled flex training steps at Qwen3-8B drafter size over varying lengths. PASS: no
-    recompile-limit fallback (past it flex runs uncompiled, materialising every score), and no more
-    flex graphs than distinct padded shapes (dflash.drafter.blocks.flex_padded_shape: 5 for the 8
-    lengths); without that bucketing, at most 8 graphs (dynamo's default limit)."""
+    """Compiled flex training steps at Qwen3-8B drafter size over FLEX_LENGTHS within the budget (the
+    recipe's lengths first): tokens/s, MFU, peak memory, and graph reuse judged by `flex_verdict`."""
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (flex attention trains on CUDA only)"}
-    import dflash.drafter.blocks as blocks_module
     from bench.gpu import flex_lengths
 
-    def partial(out):  # what a timeout leaves: the lengths measured so far
-        if PARTIAL is not None:
-            PARTIAL.write_text(json.dumps({"status": "FAIL", "summary": "partial", **out}, default=str))
+    return flex_verdict(flex_lengths(FLEX_LENGTHS, FLEX_ANCHORS, budget, device, on_length=save_partial))
 
-    out = flex_lengths(FLEX_LENGTHS, FLEX_ANCHORS, budget, device, on_length=partial)
-    done = list(out["lengths"])
-    own, graphs = out["compiles"]["flex_compile_count"], out["compiles"]["dynamo_unique_graphs"]
-    count = own if own is not None else graphs
-    padded = getattr(blocks_module, "flex_padded_shape", None)
-    buckets = len({padded(L, FLEX_ANCHORS, FLEX_ANCHORS) for L in done}) if padded else None
-    why = []
+
+def preset_verdict(out: dict) -> dict:
+    """PASS when bench.plan's peak is within PLAN_TOL of the measured one, nothing compiled after the
+    first step, the recompile limit was not hit and (under flex) the first step compiled."""
+    why, ratio = [], out["plan_over_measured"]
+    if abs(ratio - 1) > PLAN_TOL:
+        why.append(f"bench.plan's peak {out['plan_peak_gib']} GiB ({out['plan_phase']}) is {ratio:.3f}x the measured "
+                   f"{out['peak_memory_gib']} GiB (tolerance {PLAN_TOL:.0%}): correct the plan's terms")
+    if out["timed_steps_compiled"]["graphs"]:
+        why.append(f"{out['timed_steps_compiled']['graphs']} graphs compiled after the first step (a recompile of "
+                   f"the same shape)" + (f": {out['recompile_reasons'][-1]}" if out["recompile_reasons"] else ""))
     if out["recompile_limit_hits"]:
         why.append(f"recompile limit hit: {out['recompile_limit_hits'][0]}")
-    if count > (buckets or 8):
-        why.append(f"{count} flex graphs compiled for {len(done)} lengths, more than "
-                   + (f"their {buckets} padded shapes" if buckets else "dynamo's limit of 8"))
-    if len(done) < 3:
-        why.append(f"only {len(done)} lengths fit in {budget:.0f} s ({out.get('stopped')})")
-    r = [out["lengths"][L] for L in done]
-    best = max(r, key=lambda x: x["tflops"]) if r else {}
-    mfu = f"mfu {min(x['mfu'] for x in r):.3f}-{max(x['mfu'] for x in r):.3f}" if r and r[0]["mfu"] else "mfu n/a"
-    figures = (f"{len(done)}/{len(FLEX_LENGTHS)} lengths {min(done, default=0)}-{max(done, default=0)}, "
-               f"{min((x['context_tokens_per_s'] for x in r), default=0):.0f}-"
-               f"{max((x['context_tokens_per_s'] for x in r), default=0):.0f} context tok/s, "
-               f"{best.get('tflops', 0)} TFLOP/s best, {mfu}, peak "
-               f"{max((x['peak_memory_gib'] for x in r), default=0)} GiB, flex graphs {own} (dflash) / "
-               f"{graphs} (dynamo) for {buckets} padded shapes")
-    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures,
-            "padded_shapes": buckets, **out}
+    if out["backend"] == "flex" and not out["first_step_compiled"]["graphs"]:
+        why.append("the first step compiled no graph: flex ran uncompiled")
+    figures = (f"{out['shape']}: {out['context_tokens_per_s']:.0f} context tok/s ({out['block_tokens_per_s']:.0f} "
+               f"block tok/s), {out['tflops']} TFLOP/s, "
+               + (f"mfu {out['mfu']}" if out["mfu"] is not None else "mfu n/a")
+               + f", first step {out['first_step_s']} s; dynamo: {out['first_step_compiled']['graphs']} graphs for "
+                 f"{out['mask_kinds']} mask kinds, {out['timed_steps_compiled']['graphs']} after; peak "
+                 f"{out['peak_memory_gib']} GiB, plan {out['plan_peak_gib']} GiB (x{ratio}, {out['plan_phase']})")
+    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
+
+
+def qwen3_6_step(budget: float) -> dict:
+    """The Qwen3.6-27B drafter's compiled flex training step at 3072 tokens and 512 anchors
+    (bench.gpu.preset_step), judged by `preset_verdict`."""
+    device = _cuda()
+    if device is None:
+        return {"status": "SKIP", "summary": "needs CUDA (a 1.8B-parameter drafter step through flex attention; "
+                                             "tests/test_gpu.py runs the same code on CPU at a tiny size)"}
+    from bench.gpu import QWEN3_6_PRESET, preset_step
+
+    return preset_verdict(preset_step(device, QWEN3_6_PRESET))
 
 
 def autocast_loss(budget: float) -> dict:
@@ -133,12 +185,48 @@ def autocast_loss(budget: float) -> dict:
     return {"status": "PASS" if ok else "FAIL", "summary": figures, **out}
 
 
+def kernel_verdict(out: dict, label: str) -> tuple[list[str], str]:
+    """(why it fails, figures) for bench.gpu_target.extraction_kernels' results. Fails when transformers
+    did not bind fla; when fla's bf16 error against the float32 reference is not of the size of the
+    fallback's own bf16 error (mean within 5x, max within 10x: fla keeps more intermediates in bf16, so it
+    may round a few times more, while a wrong kernel is off by the size of the output itself); or when fla
+    in float32 fails, or is further from the reference than the fallback in bf16 (TF32 dots round far
+    less than bf16; a wrong kernel does not)."""
+    why = []
+    if out["kernels"].get("linear_attention") != "fla":
+        try:  # why transformers fell back: it swallows the import error
+            import fla  # noqa: F401
+            reason = "fla imports; transformers did not bind it"
+        except Exception as e:  # noqa: BLE001 - reported, not handled
+            reason = f"import fla fails: {type(e).__name__}: {e}"
+        why.append(f"{label}: fla is not bound ({out['kernels']}); {reason}")
+    elif out["deltanet_max_abs_diff"] == 0:
+        why.append(f"{label}: fla and the fallback agree to the bit: the swap to the fallback "
+                   f"({out['fallback_swapped']}) changed nothing")
+    floor = 1e-6 * out["deltanet_rms"]
+    ratio = {k: out[f"deltanet_bound_err_{k}"] / max(out[f"deltanet_fallback_err_{k}"], floor) for k in ("mean", "max")}
+    if ratio["mean"] > 5 or ratio["max"] > 10:
+        why.append(f"{label}: fla's bf16 error against float32 is {ratio['mean']:.1f}x (mean) / {ratio['max']:.1f}x "
+                   f"(max) the fallback's")
+    if "float32_error" in out:
+        why.append(f"{label}: the bound kernels fail in float32: {out['float32_error']}")
+    elif out["deltanet_bound_float32_err_max"] > out["deltanet_fallback_err_max"]:
+        why.append(f"{label}: in float32 the bound kernels are {out['deltanet_bound_float32_err_max']:.3g} (max) off "
+                   f"the reference, more than the fallback in bf16 ({out['deltanet_fallback_err_max']:.3g})")
+    rms = out["features_rms"]
+    f32 = out.get("features_max_abs_diff_float32")
+    figures = (f"{label} ({out['shape']}): kernels {','.join(f'{k}={v}' for k, v in sorted(out['kernels'].items()))}; "
+               f"max feature diff bound vs fallback: bf16 {out['features_max_abs_diff']:.3g}, float32 "
+               + (f"{f32:.3g}" if f32 is not None else "n/a") + f" (feature rms {rms:.3g}); DeltaNet output max diff "
+               f"{out['deltanet_max_abs_diff'] / out['deltanet_rms']:.3g} of its rms; error vs fp32, bound over "
+               f"fallback: {ratio['mean']:.2f}x mean, {ratio['max']:.2f}x max; fallback "
+               f"{out['fallback_over_bound']}x slower")
+    return why, figures
+
+
 def fla_kernels(budget: float) -> dict:
-    """fla against the PyTorch fallback on a tiny hybrid target. PASS: transformers bound fla for the
-    Gated DeltaNet layers, and at those layers' outputs fla's bf16 error against the float32
-    reference is of the size of the fallback's own bf16 error (mean within 5x, max within 10x): fla
-    keeps more intermediates in bf16 than the fallback (which computes in float32 inside), so it
-    may round a few times more, while a wrong kernel is off by the size of the output itself."""
+    """fla against the PyTorch fallback on the tiny hybrid target and on a mid-size one with the real
+    head dims (bench.gpu_target.mid_hybrid_config), judged by `kernel_verdict`."""
     import importlib.util
 
     device = _cuda()
@@ -148,63 +236,84 @@ def fla_kernels(budget: float) -> dict:
     if importlib.util.find_spec("fla") is None:
         return {"status": "FAIL", "summary": "flash-linear-attention is not installed (bench/prepare_wheels.sh, "
                                              "or pip install flash-linear-attention)"}
-    from bench.gpu import extraction_kernels
+    from bench.gpu_target import extraction_kernels, mid_hybrid_config
 
-    out = extraction_kernels(device)
-    why = []
-    if out["kernels"].get("linear_attention") != "fla":
-        try:  # why transformers fell back: it swallows the import error
-            import fla  # noqa: F401
-            reason = "fla imports; transformers did not bind it"
-        except Exception as e:  # noqa: BLE001 - reported, not handled
-            reason = f"import fla fails: {type(e).__name__}: {e}"
-        why.append(f"fla is not bound ({out['kernels']}); {reason}")
-    floor = 1e-6 * out["deltanet_rms"]
-    ratio = {k: out[f"deltanet_bound_err_{k}"] / max(out[f"deltanet_fallback_err_{k}"], floor) for k in ("mean", "max")}
-    if ratio["mean"] > 5 or ratio["max"] > 10:
-        why.append(f"fla's error against float32 is {ratio['mean']:.1f}x (mean) / {ratio['max']:.1f}x (max) the "
-                   f"fallback's")
-    rel = {what: out[f"{what}_max_abs_diff"] / out[f"{what}_rms"] for what in ("deltanet", "features")}
-    figures = (f"kernels {','.join(f'{k}={v}' for k, v in sorted(out['kernels'].items()))}; fla vs fallback max diff "
-               f"{rel['deltanet']:.3g} of the DeltaNet output rms, {rel['features']:.3g} of the feature rms; error "
-               f"vs fp32, fla over fallback: {ratio['mean']:.2f}x mean, {ratio['max']:.2f}x max; fallback "
-               f"{out['fallback_over_bound']}x slower")
-    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why + [figures]), "err_ratio": ratio, **out}
+    tiny = extraction_kernels(device)
+    save_partial({"tiny": tiny})
+    mid = extraction_kernels(device, mid_hybrid_config(), batch=2, length=2048)
+    why, parts = [], []
+    for label, out in (("tiny", tiny), ("head dims 128", mid)):
+        w, figures = kernel_verdict(out, label)
+        why += w
+        parts.append(figures)
+    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why + parts), "tiny": tiny, "mid": mid}
+
+
+def lossless_verdict(out: dict) -> dict:
+    """float32: every speculative run must equal plain greedy decoding exactly. bf16: every divergence is
+    listed with the target's top-2 logit margin there, and fails unless it is a numerical tie (margin
+    under BF16_TIE_MARGIN: batched and one-token bf16 forwards round differently). Either dtype fails
+    when an oracle drafter had nothing accepted (the accepting paths went unexercised)."""
+    runs, why, parts = out["runs"], [], []
+
+    def where(r):
+        d = r["divergence"]
+        margin = "n/a" if d["margin"] is None else f"{d['margin']:.3g}"
+        return (f"{r['target']}/{r['prompt']}/{r['drafter']}" + (f"/tree{r['tree_budget']}" if r["tree_budget"] else "")
+                + f" at token {d['at']} (plain {d['plain']}, spec {d['spec']}, margin {margin})")
+
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        rs = [r for r in runs if r["dtype"] == dtype]
+        diverged = [r for r in rs if not r["identical"]]
+        oracle = [r["tau"] for r in rs if r["drafter"] == "oracle"]
+        parts.append(f"{dtype} {len(rs) - len(diverged)}/{len(rs)} identical, oracle tau "
+                     f"{sum(oracle) / len(oracle):.2f}"
+                     + (f", divergences: {'; '.join(map(where, diverged))}" if diverged else ""))
+        if dtype == "float32" and diverged:
+            why.append(f"float32: {len(diverged)} runs differ from plain greedy decoding (must be identical)")
+        clear = [r for r in diverged if r["divergence"]["margin"] is None
+                 or r["divergence"]["margin"] >= BF16_TIE_MARGIN]
+        if dtype != "float32" and clear:
+            why.append(f"{dtype}: {len(clear)} divergences at a clear logit margin (>= {BF16_TIE_MARGIN}): not a tie")
+        if any(t <= 1 for t in oracle):
+            why.append(f"{dtype}: an oracle drafter had nothing accepted")
+    kernels = next((r["kernels"] for r in runs if r["target"] == "toy"), {})
+    return {"status": "FAIL" if why else "PASS",
+            "summary": "; ".join(why) + (": " if why else "") + "; ".join(parts) + f"; toy kernels {kernels}", **out}
 
 
 def live_lossless(budget: float) -> dict:
-    """Live speculative decoding equals plain greedy decoding (float32 and bf16; ties per eval.tie_margin)."""
-    from bench.gpu import live_lossless as run
-    from dflash.errors import LosslessError
+    """Live speculative decoding against plain greedy decoding, float32 and bf16, judged by
+    `lossless_verdict`."""
+    from bench.gpu_target import live_lossless as run
 
     device = _cuda() or torch.device("cpu")
-    try:  # on CPU one short prompt per case: a smoke test of the same code
-        out = run(device, prompts=2, new_tokens=64) if device.type == "cuda" else run(device, prompts=1, new_tokens=32)
-    except LosslessError as e:
-        return {"status": "FAIL", "summary": f"on {device.type}: {e}"}
-    runs = out["runs"]
-    parts = []
-    for dtype in dict.fromkeys(r["dtype"] for r in runs):
-        rs = [r for r in runs if r["dtype"] == dtype]
-        oracle = [r["tau"] for r in rs if r["drafter"] == "oracle"]
-        parts.append(f"{dtype} {sum(r['identical'] for r in rs)}/{len(rs)} identical, "
-                     f"{sum(not r['identical'] for r in rs)} ties, oracle tau {sum(oracle) / len(oracle):.2f}")
-    kernels = next((r["kernels"] for r in runs if r["target"] == "toy"), {})
-    ok = all(r["tau"] > 1 for r in runs if r["drafter"] == "oracle")  # accepted drafts were exercised
-    return {"status": "PASS" if ok else "FAIL",
-            "summary": f"on {device.type}: " + "; ".join(parts) + f"; toy kernels {kernels}"
-                       + ("" if ok else "; an oracle drafter had nothing accepted"), **out}
+    # on CPU one short prompt per case: a smoke test of the same code
+    out = run(device, prompts=2, new_tokens=64) if device.type == "cuda" else run(device, prompts=1, new_tokens=32)
+    result = lossless_verdict(out)
+    result["summary"] = f"on {device.type}: {result['summary']}"
+    return result
 
 
-GPU_ONLY = {"flex_train_step", "gpu_tests", "fla_kernels"}
-CHECKS = {"flex_train_step": flex_train_step, "gpu_tests": gpu_tests, "autocast_loss": autocast_loss,
-          "fla_kernels": fla_kernels, "live_lossless": live_lossless}
+GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels"}
+CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
+          "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless}
+
+
+def resolve(name: str):
+    """The check function of `name`: one of CHECKS, or `module:function`."""
+    if name in CHECKS:
+        return CHECKS[name]
+    module, sep, fn = name.partition(":")
+    if not sep:
+        raise SystemExit(f"gpu_checks: no check {name!r}; the checks are {', '.join(CHECKS)} (or module:function)")
+    return getattr(importlib.import_module(module), fn)
 
 
 def run_one(name: str, budget: float) -> dict:
     t = time.time()
     try:
-        out = CHECKS[name](budget)
+        out = resolve(name)(budget)
     except Exception as e:  # noqa: BLE001 - a crash is a FAIL line, not a lost report
         import traceback
 
@@ -215,101 +324,26 @@ def run_one(name: str, budget: float) -> dict:
     return out
 
 
-def _spawn(name: str, timeout: float, workdir: Path):
-    """`name` in a child process of its own session (so a timeout also ends its compile workers)."""
-    log = (workdir / f"{name}.log").open("w")
-    cmd = [sys.executable, "-m", "bench.gpu_checks", "--check", name, "--result", str(workdir / f"{name}.json"),
-           "--budget", str(max(10.0, timeout - 50))]  # the check's own budget leaves time to start and report
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, time.time() + timeout
-
-
-def _collect(name: str, proc, deadline: float, workdir: Path, timeout: float) -> dict:
-    try:
-        proc.wait(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        partial = workdir / f"{name}.partial.json"
-        result = json.loads(partial.read_text()) if partial.exists() else {}
-        result.update(status="FAIL", summary=f"timed out after {timeout:.0f} s"
-                      + (f"; measured before: {sorted(result.get('lengths', {}))}" if result else ""))
+def run_plan(names: list[str]) -> dict:
+    """How bench.gpu_runner.run_all runs `names`: on CUDA the timing checks alone, one after the other,
+    then the rest side by side; on CPU one by one. GPU-only checks SKIP on CPU without a process."""
+    cuda = _cuda() is not None
+    if cuda:
+        waves = [[n] for n in names if n in ALONE] + [[n for n in names if n not in ALONE]]
     else:
-        path = workdir / f"{name}.json"
-        result = json.loads(path.read_text()) if path.exists() else \
-            {"status": "FAIL", "summary": f"the check's process exited {proc.returncode} without a result"}
-    log = (workdir / f"{name}.log").read_text(errors="replace").splitlines()
-    if result["status"] == "FAIL":
-        result["log_tail"] = log[-30:]
-    return result
-
-
-def _line(name: str, r: dict) -> str:
-    return f"{r['status']} {name} {r['summary']}" + (f" ({r['seconds']} s)" if "seconds" in r else "")
-
-
-def run_all(names: list[str], budget: float, results_dir: Path) -> dict:
-    """Every check in its own process: flex alone first (its timings need the GPU to itself), then
-    the others side by side on a GPU machine (their time is mostly compiling), one by one on CPU."""
-    from bench.run import _machine_tag, machine
-
-    start = time.time()
-    info = machine()
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": info, "device": "cuda" if _cuda() else "cpu",
-              "checks": {}}
-    install = os.environ.get("GPU_CHECK_INSTALL")
-    if install:
-        status, _, note = install.partition(" ")
-        report["checks"]["install"] = {"status": status, "summary": note}
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        workdir = Path(tmp)
-        waves = [[n for n in names if n == "flex_train_step"], [n for n in names if n != "flex_train_step"]]
-        if not _cuda():
-            waves = [[n] for n in names]
-        for wave in waves:
-            left = budget - (time.time() - start)
-            running = {}
-            for name in wave:
-                if name in GPU_ONLY and not _cuda():  # SKIP at once, without a process of its own
-                    report["checks"][name] = run_one(name, 0)
-                    print(_line(name, report["checks"][name]), flush=True)
-                    continue
-                timeout = min(TIMEOUTS[name], left)
-                if timeout < 30:
-                    why = f"not run: {left:.0f} s of the {budget:.0f} s budget left"
-                    report["checks"][name] = {"status": "FAIL", "summary": why}
-                    print(_line(name, report["checks"][name]), flush=True)
-                    continue
-                running[name] = (*_spawn(name, timeout, workdir), timeout)
-            for name, (proc, deadline, timeout) in running.items():
-                result = _collect(name, proc, deadline, workdir, timeout)
-                report["checks"][name] = result
-                print(_line(name, result), flush=True)
-                for ln in result.get("log_tail", []) if result["status"] == "FAIL" else []:
-                    print(f"    | {ln}", flush=True)
-        logs = "\n".join(f"===== {p.stem}\n{p.read_text(errors='replace')}" for p in sorted(workdir.glob("*.log")))
-    statuses = [c["status"] for c in report["checks"].values()]
-    report["summary"] = {s: statuses.count(s) for s in ("PASS", "FAIL", "SKIP")}
-    report["total_seconds"] = round(time.time() - start, 1)
-    name = f"{report['date']}-{_machine_tag(info)}-gpu-check.json"
-    paths = [results_dir / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1, default=str))
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "gpu-check-logs.txt").write_text(logs)
-    s = report["summary"]
-    print(f"gpu_check: {s['PASS']} passed, {s['FAIL']} failed, {s['SKIP']} skipped in {report['total_seconds']} s "
-          f"on {info.get('gpu') or info['cpu']}; written to {', '.join(map(str, paths))}", flush=True)
-    return report
+        waves = [[n] for n in names]
+    return {"device": "cuda" if cuda else "cpu", "waves": [w for w in waves if w],
+            "timeout": lambda n: TIMEOUTS.get(n) or getattr(resolve(n), "timeout_s", 60),
+            "skip": lambda n: run_one(n, 0) if n in GPU_ONLY and not cuda else None}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_checks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="run only these checks")
-    parser.add_argument("--budget", type=float, default=400.0, help="seconds for all checks (default 400)")
+    parser.add_argument("--only", nargs="*", help=f"run only these checks ({', '.join(CHECKS)})")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                        help=f"seconds for all checks (default {DEFAULT_BUDGET})")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON (default bench/results)")
-    parser.add_argument("--check", choices=list(CHECKS), help=argparse.SUPPRESS)  # one check, in this process
+    parser.add_argument("--check", help=argparse.SUPPRESS)  # one check, in this process
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -319,12 +353,12 @@ def main(argv=None) -> int:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        global PARTIAL
-        PARTIAL = args.result.with_suffix(".partial.json")
-        out = run_one(args.check, args.budget)
-        args.result.write_text(json.dumps(out, indent=1, default=str))
+        write_json(args.result, run_one(args.check, args.budget))
         return 0
-    report = run_all(args.only or list(CHECKS), args.budget, args.results)
+    names = args.only or list(CHECKS)
+    for name in names:
+        resolve(name)  # an unknown name stops here, not in a child
+    report = run_all(names, args.budget, args.results, run_plan(names))
     return 1 if report["summary"]["FAIL"] else 0
 
 

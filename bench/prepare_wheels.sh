@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for a CUDA machine that has torch, transformers and triton but no network (the project's
-# H200 machine: Python 3.12, torch 2.11, transformers 5.17): everything else dflash and the GPU
-# check need goes into .whl/ (ignored by git), which bench/gpu_check.sh installs from, offline.
+# H200 machine: Python 3.12, torch 2.11, transformers 5.17): everything else the GPU check needs goes
+# into .whl/ (ignored by git), which bench/gpu_check.sh installs from, offline, into .whl/site (a folder
+# it puts on PYTHONPATH: the machine's own environment is never written).
 #
 #   bash bench/prepare_wheels.sh          # here, with network; then carry .whl to the GPU machine
 #
@@ -19,8 +20,10 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 # what is fetched (pinned to what the CPU test suite runs with; fla to a release that supports
-# transformers 5.x and triton 3.6)
-WANT="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 wandb==0.31.0
+# transformers 5.x and triton 3.6). Not wandb: no check uses it (bench/gpu_check.sh sets
+# WANDB_MODE=disabled and dflash imports wandb only for a run that logs to W&B), and it was 20 of 25 MB
+# and 17 of the dependency wheels.
+WANT="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
       flash-linear-attention==0.6.0 fla-core==0.6.0"
 rm -rf .whl
 mkdir -p .whl
