@@ -9,10 +9,20 @@ from dflash.config.checks import ConfigError, one_of, positive
 
 @dataclass
 class OptimConfig:
-    """AdamW with warmup and a cosine (or constant) schedule."""
+    """AdamW (or Muon + AdamW) with warmup and a cosine (or constant) schedule."""
 
+    name: str = "adamw"
+    """adamw, or muon: torch.optim.Muon for the drafter's hidden 2-D weights, AdamW for the rest
+    (dflash.train.optim.build_optimizer says which is which)."""
     lr: float = 6e-4
-    """Peak learning rate."""
+    """Peak learning rate (of AdamW's parameters)."""
+    muon_lr: float = 0.02
+    """Peak learning rate of Muon's parameters (optim=muon), scaled per matrix by torch's adjust_lr_fn."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+    muon_adjust_lr: str = "original"
+    """torch.optim.Muon adjust_lr_fn: original (lr * sqrt(max(1, rows/cols))) or match_rms_adamw
+    (0.2 * sqrt(max(rows, cols)) * lr, so an AdamW-sized lr fits)."""
     weight_decay: float = 0.01
     """AdamW weight decay (torch's default)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -30,6 +40,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         positive("optim.lr", self.lr)
+        one_of("optim.name", self.name, {"adamw", "muon"})
+        positive("optim.muon_lr", self.muon_lr)
+        one_of("optim.muon_adjust_lr", self.muon_adjust_lr, {"original", "match_rms_adamw"})
         one_of("optim.schedule", self.schedule, {"cosine", "constant"})
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"optim.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
@@ -137,6 +150,10 @@ class EvalConfig:
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
     plots: bool = True
     """Write PNG plots next to summary.json."""
+    dtype: str = "auto"
+    """Dtype the drafter is evaluated in: auto = the target's (what SGLang and vLLM serve it in: bfloat16 for the
+    Qwen presets, float32 for the float32 toy and tiny targets), bfloat16, or float32 (the training weights as
+    they are; slower). Recorded in summary.json."""
     tie_margin: float | None = None
     """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
     is reported as a numerical tie, not a failure; null = 1e-3 for float32 targets, 0.1 otherwise."""
@@ -144,6 +161,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
+        one_of("eval.dtype", self.dtype, {"auto", "bfloat16", "float32"})
         for key in ("max_new_tokens", "completions_batch_size", "anchor_stride", "max_blocks", "max_prompts"):
             positive(f"eval.{key}", getattr(self, key))
         positive("eval.every", self.every, allow_zero=True)

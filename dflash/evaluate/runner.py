@@ -10,8 +10,11 @@ lands in the training run's W&B run at the checkpoint's training step.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
+
+import torch
 
 from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
@@ -33,6 +36,9 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
                     backend: str) -> dict:
     """Teacher-forced eval during training, into eval/step-XXXXXX/ and the training run's W&B run.
     Returns the whole summary (metrics, histogram, per-prompt table)."""
+    dtype = eval_dtype(job, target)
+    if next(drafter.parameters()).dtype != dtype:  # a copy: the training weights stay float32
+        drafter = copy.deepcopy(drafter).to(dtype)
     compiled = flex_compile_count()
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval, backend)
     summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
@@ -42,10 +48,16 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
                  flex_compile_count() - compiled, flex_compile_count())
     summary["metrics"].update(train_gap(run, step, summary["metrics"]))
     out_dir = run.eval_dir(step_name(step))
+    summary["dtype"] = str(dtype).removeprefix("torch.")
     write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced"})
     images = save_plots(out_dir, {f"step {step}": summary}) if job.eval.plots else {}
     log_eval(logger, summary, step, images)
     return summary
+
+
+def eval_dtype(job: JobConfig, target) -> torch.dtype:
+    """eval.dtype as a torch dtype: auto = the target's, the dtype servers run the drafter in."""
+    return target.dtype if job.eval.dtype == "auto" else getattr(torch, job.eval.dtype)
 
 
 def find_run(job: JobConfig, checkpoint: str) -> RunLayout | None:
@@ -95,11 +107,13 @@ def evaluate(job: JobConfig) -> dict:
     for ref in job.eval.compare:
         drafters[Path(ref).name] = (Path(ref), load_drafter(ref).float())
     target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()])
+    dtype = eval_dtype(job, target)
     for label, (p, d) in drafters.items():
         check_fits(d, target, source=f"drafter {p}")
-        d.to(target.device)
+        d.to(target.device, dtype)
     dist = current(job.train.collective_timeout_minutes)
-    summaries, extra = {}, {"checkpoint": str(path), "step": step, "mode": job.eval.mode}
+    summaries, extra = {}, {"checkpoint": str(path), "step": step, "mode": job.eval.mode,
+                            "dtype": str(dtype).removeprefix("torch.")}
     allowed = extra.setdefault("provenance_allowed", {})
     for label, (p, drafter) in drafters.items():
         trained_on = training_manifest(p)

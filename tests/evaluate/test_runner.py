@@ -335,3 +335,14 @@ def test_a_complete_heldout_set_evaluates_with_the_heads_alone(tmp_path, monkeyp
     heldout_manifest.write_text(json.dumps(manifest))
     with pytest.raises(ProvenanceError, match=r"(?s)kernel_backend: .*linear_attention=fla.*torch_fallback"):
         evaluate(job)
+
+
+def test_eval_dtype_is_the_targets_unless_asked_and_is_recorded(trained):
+    """auto = the target's dtype (float32 for the tiny target); bfloat16 on request, close to it."""
+    tmp, run = trained
+    auto = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.plots=false"))
+    assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "float32"
+    bf16 = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.plots=false", "eval.dtype=bfloat16"))
+    assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "bfloat16"
+    assert bf16["eval/blocks_all_anchors"] == auto["eval/blocks_all_anchors"]
+    assert abs(bf16["eval/tau_all_anchors"] - auto["eval/tau_all_anchors"]) < 0.25
