@@ -39,7 +39,8 @@ def test_qwen3_6_27b_online_under_ddp_on_80gb_is_refused_before_loading(monkeypa
     counted = placement.parameter_count(getattr(transformers, cls)(**dims))
     assert counted == 26_895_998_464  # 50.1 GiB in bf16, the plan's "target model (online)"
     monkeypatch.setattr(placement, "parameter_count", lambda config, trust_remote_code=False: counted)
-    job = compose("train", ["experiment=qwen3_6_27b", "train.mode=online", "data.prompts=x.jsonl"])
+    job = compose("train", ["experiment=qwen3_6_27b", "train.mode=online", "train.distributed=ddp",
+                            "data.prompts=x.jsonl"])
     memory = {"gib": H100}
     monkeypatch.setattr(placement, "device_memory", lambda device: memory["gib"])
     with pytest.raises(ConfigError) as refused:

@@ -1,0 +1,221 @@
+"""What a run needs besides GPU memory, for bench.plan: the feature cache on disk, host memory for loading
+the target, GPU-hours, offline and online side by side, and which set-up each GPU size should train with.
+
+- Cache: dflash/data/cache.py stores per token the features (target_layers x hidden values in
+  features.storage; float8 adds one float32 scale per token and layer), an int32 token id and a uint8
+  loss-mask byte.
+- Loading (dflash/target/loading.py): the target goes from its memory-mapped safetensors straight to the
+  device (device_map), tensor by tensor on transformers' loader threads, so a process holds at most
+  LOADER_THREADS tensors in flight (the largest ones bound it); the files' pages sit in the page cache,
+  shared by every process of the node reading them and reclaimable, up to the checkpoint's size. Offline
+  training reads only embed_tokens and lm_head; extraction loads the target as online training does.
+- GPU-hours: the drafter's model FLOPs of a sequence as bench/gpu.py's `train_flops` counts them (what its
+  MFU is measured against), plus, with gradient checkpointing, the layers' forward again; the target's
+  forward is 2 FLOPs per non-embedding parameter per token (attention's share is ignored: ~1%), once per
+  sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: the median
+  of the newest GPU result in bench/results/ with an MFU, else ASSUMED_MFU. Generating the completions
+  (the same in both modes) is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.plan_memory import Setup, Shape, max_anchors, peak
+
+PAPER_SEQUENCES, PAPER_TOKENS = 800_000, 1.2e9  # the DFlash paper's training data, about
+ASSUMED_MFU = 0.35
+LOADER_THREADS = 4  # transformers 5.x core_model_loading.GLOBAL_WORKERS (min(4, cpus))
+STORAGE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+RESULTS = Path(__file__).resolve().parent / "results"
+# what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and
+# gradient checkpointing (a third more layer FLOPs) only where needed
+SETUPS = (("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True))
+
+
+@dataclass
+class Run:
+    """The run the costs are for: how much data, how many passes, on what GPU at what efficiency."""
+
+    sequences: int
+    tokens_per_sequence: int
+    sequences_where: str  # how `sequences` is known
+    epochs: int = 6
+    max_steps: int | None = None
+    storage: str = "bfloat16"  # features.storage
+    peak_tflops: float = 989.0  # dense bf16 of an H100 / H200 SXM
+    mfu: float = ASSUMED_MFU
+    mfu_where: str = "assumed: no GPU result with an MFU in bench/results/"
+    disk_tb: float = 20.0  # room for the feature cache: offline is recommended only when it fits
+
+
+def cache_bytes_per_token(s: Shape, storage: str) -> int:
+    """Bytes one token takes in the feature cache: features, token id (int32), loss mask (uint8), scales."""
+    scales = 4 * s.target_layers if storage == "float8_e4m3fn" else 0
+    return s.target_layers * s.hidden * STORAGE_BYTES[storage] + 4 + 1 + scales
+
+
+def count_prompts(data: dict) -> int | None:
+    """Prompts the configured data holds after data.offset and data.limit, None when the source is not at
+    hand (a path that is not here, or data.prompts still unset)."""
+    from dflash.data.prompts import read_records
+    from dflash.errors import DFlashError
+
+    if data.get("prompts") is None:
+        return None
+    try:
+        n = len(read_records(data["prompts"], data.get("format", "auto"), data.get("split", "train")))
+    except (DFlashError, OSError, ValueError, ImportError):  # not here or unreadable: the run itself says why
+        return None
+    n = max(0, n - data.get("offset", 0))
+    return min(n, data["limit"]) if data.get("limit") else n
+
+
+def measured_mfu(results: Path = RESULTS) -> tuple[float, str] | None:
+    """(median MFU, which file) of the newest result JSON from a GPU (device not cpu) holding "mfu" values."""
+    def found(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "mfu" and isinstance(v, (int, float)) and v > 0:
+                    yield float(v)
+                else:
+                    yield from found(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from found(v)
+
+    for path in sorted(results.glob("*.json"), reverse=True):  # the names start with the date
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        mfus = list(found(data)) if isinstance(data, dict) and data.get("device", "cpu") != "cpu" else []
+        if mfus:
+            return statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}"
+    return None
+
+
+def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:
+    """Host memory of loading the target on one process (bytes): the tensors in flight, the page cache."""
+    return {"process": sum(s.target_largest[:LOADER_THREADS]) * frozen,
+            "page cache (shared by a node)": s.target_params * frozen,
+            "heads only (offline training)": s.heads_params * frozen}
+
+
+def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int, checkpointing: bool) -> dict[str, float]:
+    """FLOPs of one sequence of `tokens` tokens, all response, `num_anchors` blocks spread over it:
+    {"drafter": the training step's, "target": the target's forward}."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.gpu import train_flops
+    from dflash.drafter.blocks import pack_blocks
+
+    n = max(1, min(num_anchors, tokens - 1))
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    blocks = pack_blocks(ids, torch.ones(1, tokens, dtype=torch.bool), torch.tensor([tokens]),
+                         [torch.linspace(0, tokens - 2, n).round().long()], s.block_size, 0)
+    f = train_flops(drafter, blocks)
+    drafter_flops = f["matmul"] + f["attention"]
+    if checkpointing:  # the layers' forward once more: a third of what their forward and backward cost
+        # (what is not the layers': train_flops of the drafter without them)
+        rest = train_flops(SimpleNamespace(config=drafter.config, block_size=drafter.block_size, fc=drafter.fc,
+                                           layers=(), layer_types=()), blocks)
+        drafter_flops += (drafter_flops - rest["matmul"] - rest["attention"]) / 3
+    return {"drafter": drafter_flops, "target": 2 * (s.target_params - s.heads_params) * tokens}
+
+
+def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:
+    """GPU-hours of the run, offline (extraction once, then training) and online (target every epoch)."""
+    per = sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors, u.checkpointing)
+    trained = (run.max_steps * u.batch * u.grad_accum * u.world if run.max_steps
+               else run.epochs * run.sequences)
+    rate = run.peak_tflops * 1e12 * run.mfu * 3600  # FLOPs a GPU-hour
+    extraction = run.sequences * per["target"] / rate
+    return {"offline": {"extraction": extraction, "training": trained * per["drafter"] / rate,
+                        "total": extraction + trained * per["drafter"] / rate},
+            "online": {"extraction": 0.0, "training": trained * (per["drafter"] + per["target"]) / rate,
+                       "total": trained * (per["drafter"] + per["target"]) / rate},
+            "flops_per_token": {"drafter": per["drafter"] / run.tokens_per_sequence,
+                                "target forward": per["target"] / run.tokens_per_sequence}}
+
+
+def fitting_setup(s: Shape, u: Setup, budget: float) -> dict:
+    """The first of SETUPS whose step fits `budget` bytes at the configured num_anchors, with its peak; else
+    the set-up that holds the most anchors and that count."""
+    options = [(d, ckpt) for d, ckpt in SETUPS if d == "ddp" or u.world > 1]
+    for d, ckpt in options:
+        total = peak(s, replace(u, distributed=d, checkpointing=ckpt))[0]
+        if total <= budget:
+            return {"distributed": d, "checkpointing": ckpt, "num_anchors": u.num_anchors, "peak": total}
+    best = max(options, key=lambda o: max_anchors(s, replace(u, distributed=o[0], checkpointing=o[1]), budget))
+    w = replace(u, distributed=best[0], checkpointing=best[1])
+    n = max_anchors(s, w, budget)
+    return {"distributed": best[0], "checkpointing": best[1], "num_anchors": n,
+            "peak": peak(s, replace(w, num_anchors=max(n, 1)))[0] if n else None}
+
+
+def recommend(s: Shape, u: Setup, run: Run, cache_bytes: float, gpu_gb: list[float]) -> list[dict]:
+    """Per GPU size: the set-up each mode fits with, and the mode to train in: offline where the cache fits
+    run.disk_tb (one target forward a sequence instead of one an epoch), else online where it fits."""
+    from bench.plan_memory import GiB
+
+    out, disk = [], cache_bytes <= run.disk_tb * 1e12
+    for gb in gpu_gb:
+        modes = {m: fitting_setup(s, replace(u, online=m == "online"), gb * GiB) for m in ("offline", "online")}
+        fits = [m for m, f in modes.items() if f["num_anchors"] == u.num_anchors]
+        cache = f"the cache ({cache_bytes / 1e12:.1f} TB) {'fits' if disk else 'exceeds'} disk_tb={run.disk_tb:g}"
+        if len(fits) == 2:
+            mode, why = ("offline" if disk else "online"), cache
+        elif fits:
+            mode, why = fits[0], f"only {fits[0]} fits num_anchors={u.num_anchors}; {cache}"
+        else:  # neither: the mode that holds the most anchors (offline, without the target, where equal)
+            mode = max(modes, key=lambda m: (modes[m]["num_anchors"], m == "offline"))
+            why = f"num_anchors={u.num_anchors} fits neither mode: the most that fit; {cache}"
+        out.append({"gpu_gib": gb, "mode": mode, "why": why, **modes[mode], "modes": modes})
+    return out
+
+
+def render_run(r: dict, world: int) -> list[str]:
+    """The text lines of make_plan's "run" part: offline and online side by side, then the recommendation."""
+    h, load, c = r["gpu_hours"], r["loading_gib"], r["cache_gb_per_million_tokens"]
+    steps = f"max_steps {r['max_steps']}" if r["max_steps"] else f"{r['epochs']} epochs"
+    per_token = h["flops_per_token"]
+    cache = (f"{r['cache_tb']:.1f} TB in {r['storage']} ({c['bfloat16']:.1f} GB per million tokens in bf16, "
+             f"{c['float8_e4m3fn']:.1f} in fp8)")
+    heads, flight = load["heads only (offline training)"], load["process"]
+    pages = load["page cache (shared by a node)"]
+    offline_hours = (f"{h['offline']['extraction']:.0f} extraction + {h['offline']['training']:.0f} training = "
+                     f"{h['offline']['total']:.0f}")
+    online_load = (f"at most {flight:.1f} GiB in flight ({LOADER_THREADS} tensors), page cache up to {pages:.1f} "
+                   f"GiB shared by a node")
+    rows = [  # (what, offline, online)
+        ("feature cache on disk", cache, "none"),
+        ("host memory a process, loading", f"training reads embed + lm_head ({heads:.1f} GiB); extraction as online",
+         online_load),
+        ("GPU peak a process, configured", f"{r['peak_gib']['offline']:.1f} GiB", f"{r['peak_gib']['online']:.1f} GiB"),
+        ("GPU-hours", offline_hours, f"{h['online']['total']:.0f} (the target's forward every epoch)"),
+    ]
+    head = (f"the run: {r['sequences']} sequences ({r['sequences_where']}) x {r['tokens_per_sequence']} tokens, "
+            f"{steps}; MFU {r['mfu']:.0%} ({r['mfu_where']}), {r['peak_tflops']:g} TFLOP/s bf16 a GPU; FLOPs a "
+            f"token: drafter step {per_token['drafter']:.3g}, target forward {per_token['target forward']:.3g}")
+    lines = ["", head]
+    for name, offline, online in rows:
+        lines += [f"  {name:<32} offline  {offline}", f"  {'':<32} online   {online}"]
+    lines.append(f"recommended, {world} process{'es' if world > 1 else ''} a run (world_size):")
+    for g in r["recommended"]:
+        each = "; ".join(f"{m}: {describe(f)}" for m, f in g["modes"].items())
+        lines += [f"  {g['gpu_gib']:>4g} GiB: {g['mode']}, {describe(g)} ({g['why']})", f"            {each}"]
+    return lines
+
+
+def describe(f: dict) -> str:
+    """One set-up of fitting_setup in words."""
+    if not f["num_anchors"]:
+        return "fits no set-up"
+    ckpt = ", gradient checkpointing" if f["checkpointing"] else ""
+    return f"{f['distributed']}{ckpt}, num_anchors {f['num_anchors']}, peak {f['peak']:.1f} GiB"

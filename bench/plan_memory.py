@@ -1,0 +1,283 @@
+"""The memory model behind bench.plan: bytes per GPU of each part of one training step, and its peak.
+
+The drafter's dimensions come from a build on the meta device (bench/plan.py); activations are the tensors
+autograd saves, as model.py, blocks.py and loss.py make them; tests/test_plan.py checks the estimate against
+measured peaks of real steps on CPU. Assumed:
+- float32 parameters, gradients and AdamW moments; under bf16 autocast (train.mixed_precision auto/bf16,
+  the GPU default) linear layers and attention compute in bfloat16, the rest in float32; the features
+  arrive on the device in their stored dtype and are upcast there, so the residual stream is float32;
+- autocast casts each float32 weight to bfloat16 once per forward and autograd keeps the cast for the
+  weight's backward: a bf16 copy of every weight from its forward until its layer's backward, under DDP
+  and FSDP alike (dflash/train/fit.py counts the same copies as FSDP's "gathered weights");
+- offline, the target's frozen embed_tokens and lm_head on the GPU in target.dtype (twice unless tied);
+  online, the whole target in target.dtype instead (the drafter borrows the target's own embed_tokens and
+  lm_head, so they are not counted again), and its no-grad forward's working set as a phase of its own;
+- every sequence has data.max_length tokens and train.num_anchors blocks (the padded shape; flex pads
+  the context to a multiple of 256); flex attention saves its output and log-sum-exp, no scores; the sdpa
+  path (CPU) saves per chunk of blocks the keys, values and float mask it sees, anchors spread evenly;
+- flex keeps one BlockMask per layer type through the step (int32 tile lists, packed_block_mask); the
+  temporaries that build it are freed before the forward, so they never set the peak;
+- gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward;
+- DDP (world_size > 1) keeps a second copy of the gradients in its buckets;
+- FSDP (world_size > 1) is what dflash/train/accel.py sets up: FSDP2, each decoder layer its own unit and
+  the rest (fc, the norms) the root unit, MixedPrecisionPolicy() (float32 parameters and reductions).
+  Each rank keeps 1/world of the float32 parameters, gradients and AdamW state. The root's float32
+  parameters stay gathered from its forward to its backward (FSDP2 does not reshard the root after
+  forward); a layer's are gathered for its forward and again for its backward, the next layer's
+  prefetched meanwhile (two layers at a time); in backward a layer's unsharded float32 gradients and the
+  reduce-scatter's input copy of them are alive until the reduce-scatter. With train.grad_accum > 1 the
+  micro-batches before the last run under no_sync, where FSDP2 keeps the whole unsharded gradients;
+- the peak is the largest of five phases: the online target's forward, the loss backward (all activations
+  and a chunk of logits), the drafter layers (a layer's forward or backward working set on top), the end of
+  backward (all gradients) and the optimizer step (AdamW's foreach temporaries on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GiB = 2**30
+MODES = {"no checkpointing": False, "checkpointing": True}
+
+
+@dataclass
+class Shape:
+    """The drafter and target dimensions the estimate needs (bench.plan.drafter_shape reads them off a
+    drafter)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    block_size: int
+    vocab: int
+    target_layers: int  # feeding fc: the features are target_layers x hidden wide
+    params: int
+    layer_params: int
+    largest_param: int
+    tied: bool = False  # the target ties embed_tokens and lm_head (one frozen matrix)
+    target_params: int = 0  # the whole causal LM (tied weights once): what online training keeps on the GPU
+    layer_types: tuple[str, ...] = ("full_attention",)  # distinct drafter layer types: one attention mask each
+    target_intermediate: int = 0  # the target's MLP width: its forward's working set (online)
+    target_largest: tuple[int, ...] = ()  # elements of the target's largest tensors, largest first (loading)
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers (fc, hidden_norm, norm): FSDP's root unit."""
+        return self.params - self.layers * self.layer_params
+
+    @property
+    def heads_params(self) -> int:
+        """The target's embed_tokens and lm_head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@dataclass
+class Setup:
+    """One micro-batch on one GPU; sizes in tokens, dtypes in bytes per element."""
+
+    ctx_len: int
+    num_anchors: int
+    batch: int = 1
+    grad_accum: int = 1  # > 1: the gradients of earlier micro-batches stay through forward and backward
+    compute: int = 2  # linear and attention activations: 2 under bf16 autocast, 4 without
+    frozen: int = 2  # the frozen target weights (target.dtype)
+    backend: str = "flex"
+    checkpointing: bool = False
+    chunk_logits: int = 134217728
+    noise: bool = False
+    online: bool = False
+    world: int = 1
+    distributed: str = "ddp"
+    foreach: bool = True  # AdamW's foreach path (CUDA): a temporary the size of the parameters in the step
+    allowance: float = 2 * GiB
+    fragmentation: float = 0.1
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP actually shards (on one process accelerate trains unsharded, as DDP would)."""
+        return self.distributed == "fsdp" and self.world > 1
+
+
+def sdpa_chunks(s: Shape, u: Setup) -> tuple[int, int]:
+    """(keys, mask entries) summed over the sdpa path's chunks of blocks (packed_attention_masks), the
+    anchors spread evenly over [0, ctx_len - 2]."""
+    from dflash.drafter.blocks import BLOCKS_PER_CHUNK_TOKENS
+
+    n, size = u.num_anchors, s.block_size
+    per, keys, entries = max(1, BLOCKS_PER_CHUNK_TOKENS // size), 0, 0
+    for first in range(0, n, per):
+        last = min(n, first + per)
+        ctx = round((last - 1) * (u.ctx_len - 2) / max(n - 1, 1))  # the chunk's largest anchor
+        keys += ctx + (last - first) * size
+        entries += (last - first) * size * (ctx + (last - first) * size)
+    return keys, entries
+
+
+DENSE_MASK_BYTES = {"full_attention": 3, "sliding_attention": 20}
+"""Peak bytes per [query, key] entry of create_block_mask's dense build (CPU, torch 2.13, as TensorPeak
+counts; tests/test_plan.py measures it): what a flex mask cost to build before packed_block_mask."""
+BUILD_BYTES = 16  # peak bytes per [query, key tile] entry of packed_block_mask's temporaries (4 x int32)
+
+
+def flex_padded(u: Setup) -> Setup:
+    """The Setup at the shapes draft_packed pads flex batches to (the context to a multiple of 256)."""
+    from dflash.drafter.blocks import flex_padded_shape
+
+    return replace(u, ctx_len=flex_padded_shape(u.ctx_len, u.num_anchors, u.num_anchors)[0])
+
+
+def block_mask_bytes(s: Shape, u: Setup) -> dict[str, int]:
+    """Bytes of a micro-batch's flex BlockMasks, one per layer type, at the padded shape. kept: their int32
+    tensors, kv_num_blocks [b, 1, q_tiles] and kv_indices [b, 1, q_tiles, kv_tiles], the pair for full
+    tiles, and the q-side transposes of both ([b, 1, kv_tiles], [b, 1, kv_tiles, q_tiles]); build: the
+    temporaries packed_block_mask makes for one; dense before: what create_block_mask held for all."""
+    from dflash.drafter.blocks import FLEX_TILE
+
+    u = flex_padded(u)
+    q = u.num_anchors * s.block_size
+    q_tiles, kv_tiles = -(-q // FLEX_TILE), -(-(u.ctx_len + q) // FLEX_TILE)
+    per_mask = 2 * 4 * (q_tiles + kv_tiles + 2 * q_tiles * kv_tiles)
+    return {"kept": u.batch * len(s.layer_types) * per_mask,
+            "build": u.batch * BUILD_BYTES * q_tiles * FLEX_TILE * kv_tiles,
+            "dense before": u.batch * q * (u.ctx_len + q) * sum(DENSE_MASK_BYTES[t] for t in s.layer_types)}
+
+
+def layer_activations(s: Shape, u: Setup) -> float:
+    """Bytes one drafter layer saves for backward. An RMSNorm keeps its float32 input and normalised
+    output; a tensor feeding n linear layers is kept once in float32, or as n bf16 casts under autocast."""
+    a, b = u.compute, u.batch
+    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
+    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    fed = lambda n: 4 if a == 4 else n * a
+    total = q * s.hidden * (16 + fed(1) + fed(2))  # input_layernorm (-> q_proj), post_attention_layernorm (-> gate, up)
+    total += k * s.hidden * fed(2)  # cat(context, block) -> k_proj, v_proj
+    total += q * hq * (4 + 4 * a) + q * s.heads * 4  # q_norm's input, normalised and rotated q, output, o_proj input
+    total += q * s.intermediate * 4 * a  # gate, silu, up, their product
+    if u.backend == "flex":
+        return total + k * hkv * (4 + 3 * a)  # k_norm's input, normalised and rotated k; v
+    keys, entries = sdpa_chunks(s, u)  # sdpa: keys and values cut per chunk of blocks, each with a float mask
+    return total + k * hkv * (4 + a) + b * (keys * hkv * 2 * a + entries * a)
+
+
+def state_terms(s: Shape, u: Setup) -> dict[str, float]:
+    """Bytes per GPU of the drafter's weights and training state and of the frozen target weights."""
+    shard = u.world if u.sharded else 1
+    P, Lp, R = s.params, s.layer_params, s.root_params
+    return {
+        "drafter parameters (fp32)": P * 4 / shard,
+        "gradients (fp32)": P * 4 / shard,
+        "AdamW state (2 x fp32)": 2 * P * 4 / shard,
+        "DDP gradient buckets": P * 4 if u.world > 1 and u.distributed == "ddp" else 0,
+        # the root unit for the whole forward and backward, one layer and the prefetched next
+        "FSDP gathered parameters (fp32)": (R + 2 * Lp) * 4 if u.sharded else 0,
+        # a layer's unsharded gradients and the reduce-scatter's input, in backward
+        "FSDP gradients before reduce-scatter": 2 * Lp * 4 if u.sharded else 0,
+        # earlier micro-batches' gradients: DDP's own, FSDP2's unsharded ones under no_sync
+        "gradients kept between micro-batches": P * 4 if u.grad_accum > 1 else 0,
+        "autocast weight copies (bf16)": P * u.compute if u.compute < 4 else 0,
+        "frozen embed + lm_head": 0 if u.online else s.heads_params * u.frozen,
+        "target model (online)": s.target_params * u.frozen if u.online else 0,
+    }
+
+
+def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes per GPU of each part of a training step, and how the activations change in backward."""
+    if u.backend == "flex":  # the shapes draft_packed pads to
+        u = flex_padded(u)
+    a, b, H, V, I = u.compute, u.batch, s.hidden, s.vocab, s.intermediate
+    q, c, k = b * u.num_anchors * s.block_size, b * u.ctx_len, b * (u.ctx_len + u.num_anchors * s.block_size)
+    rows = b * u.num_anchors * (s.block_size - 1)  # labelled slots: what goes through lm_head
+    chunk_rows = min(rows, max(1, u.chunk_logits // V)) if u.chunk_logits else rows
+    shard = u.world if u.sharded else 1
+    t = state_terms(s, u)
+    t["feature batch (fp32)"] = c * s.target_layers * H * 4 * (2 if u.noise else 1)
+    t["flex block masks"] = block_mask_bytes(s, u)["kept"] if u.backend == "flex" else 0
+    # online, before the drafter's forward: the captured layers' outputs in target.dtype and one target
+    # layer's transients (its MLP's gate, up and product; the residual, norm and attention outputs)
+    f = u.frozen
+    t["target forward working set (online)"] = c * (s.target_layers * H * f + (3 * s.target_intermediate
+                                                                               + 4 * H) * f) if u.online else 0
+    per_layer = layer_activations(s, u)
+    # the final norm's input and normalised output, the rows fed to lm_head, an unchunked log-softmax:
+    # all freed before the layers' backward
+    loss_side = q * H * 8 + rows * H * 4 + (rows * V * 4 if chunk_rows == rows else 0)
+    # fc's bf16 input, hidden_norm's input and output, rotary cos/sin, the final norm's output (the result)
+    outer = c * s.target_layers * H * (a if a < 4 else 0) + c * H * (4 + a) + 2 * k * s.head_dim * 4
+    outer += q * H * 4 + loss_side
+    # layer 0 keeps no input (frozen embeddings need no gradient); checkpointing keeps the layers' inputs
+    # and the context, and recomputes one layer's activations (but its input) at a time
+    t["activations, no checkpointing"] = outer + s.layers * per_layer - q * H * 4
+    t["activations, checkpointing"] = outer + s.layers * q * H * 4 + c * H * 4
+    t["recomputed layer (checkpointing)"] = per_layer - q * H * 4
+    # a loss chunk in backward: its float32 log-softmax (recomputed when chunked), its gradient, the logits'
+    t["loss logits buffer"] = chunk_rows * V * (12 if chunk_rows < rows else 8)
+    # a layer's forward: rotary temporaries of q and k, the float32 cat(context, block)
+    t["layer forward working set"] = 8 * (q * s.heads + k * s.kv_heads) * s.head_dim + 4 * k * H
+    # a layer's backward: the MLP's gradients in flight, down_proj's weight gradient, the residual's gradient
+    t["layer backward working set"] = 2 * q * I * a + H * I * 4 + q * H * 4
+    t["optimizer step temporaries"] = (s.params / shard if u.foreach else 2 * s.largest_param) * 4
+    # going down the layers, backward leaves each one's weight gradients (sharded under FSDP) and frees what
+    # it saved (with checkpointing: its input only) and its bf16 weight copies, while the context's gradient
+    # builds up
+    kept = q * H * 4 if u.checkpointing else per_layer
+    copies = s.layer_params * a if a < 4 else 0
+    lower = max(0, (s.layers - 1) * (s.layer_params * 4 / shard - kept - copies) + c * H * 4)
+    return t, {"loss side": loss_side, "lower layers": lower}
+
+
+def terms(s: Shape, u: Setup) -> dict[str, float]:
+    """Bytes per GPU of each part of a training step (the module docstring says what is assumed)."""
+    return breakdown(s, u)[0]
+
+
+PERSISTENT = ("drafter parameters (fp32)", "AdamW state (2 x fp32)", "DDP gradient buckets", "frozen embed + lm_head",
+              "target model (online)", "feature batch (fp32)", "flex block masks")
+
+
+def phases(s: Shape, u: Setup) -> dict[str, float]:
+    """Bytes per GPU of each phase of the step on top of the PERSISTENT terms."""
+    t, change = breakdown(s, u)
+    acts = t["activations, checkpointing" if u.checkpointing else "activations, no checkpointing"]
+    layer = t["recomputed layer (checkpointing)"] if u.checkpointing else 0
+    # held through forward and backward: the compute-dtype weight copies, FSDP's gathered units, earlier
+    # micro-batches' gradients
+    held = t["FSDP gathered parameters (fp32)"] + t["autocast weight copies (bf16)"]
+    held += t["gradients kept between micro-batches"]
+    working = max(t["layer forward working set"], t["layer backward working set"])
+    root = s.root_params * 4 if u.sharded else 0  # FSDP: the root's gathered weights and its unsharded gradients
+    return {
+        "target forward (online)": t["target forward working set (online)"] + t["gradients kept between micro-batches"],
+        "loss backward": acts + held + t["loss logits buffer"],
+        "drafter layers": (acts - change["loss side"] + layer + held + working + change["lower layers"]
+                           + t["FSDP gradients before reduce-scatter"]),
+        # DDP accumulates into the same gradients; FSDP2 adds the sharded ones to its unsharded accumulation
+        "end of backward": (t["gradients (fp32)"] + 3 * root
+                            + (t["gradients kept between micro-batches"] if u.sharded else 0)),
+        "optimizer step": t["gradients (fp32)"] + t["optimizer step temporaries"],
+    }
+
+
+def peak(s: Shape, u: Setup) -> tuple[float, str]:
+    """Peak bytes per GPU (with the allowance and fragmentation) and the phase that sets it."""
+    t, by_phase = terms(s, u), phases(s, u)
+    phase = max(by_phase, key=by_phase.get)
+    total = sum(t[k] for k in PERSISTENT) + by_phase[phase]
+    return total * (1 + u.fragmentation) + u.allowance, phase
+
+
+def max_anchors(s: Shape, u: Setup, budget: float) -> int:
+    """The largest num_anchors whose peak fits `budget` bytes (0 if none). Memory grows linearly with
+    the anchors but for the loss chunk's cap, so a bisection finds it."""
+    fits = lambda n: peak(s, replace(u, num_anchors=n))[0] <= budget
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

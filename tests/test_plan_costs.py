@@ -1,0 +1,178 @@
+"""bench.plan_costs: the feature cache on disk, host memory of loading, GPU-hours, and the set-up the plan
+recommends, which the experiment presets follow."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from bench import plan, plan_costs
+from bench.plan_costs import Run
+from bench.plan_memory import max_anchors
+from tests.conftest import REPO
+
+PAPER = {"sequences": 0, "tokens_per_sequence": 0, "mfu": 0.35}  # the paper's data size, a stated MFU
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_cache_bytes_a_token_are_those_of_a_written_shard(tmp_path, storage):
+    """write_shard's file, less its header and offsets, is the plan's bytes a token times the tokens."""
+    from dflash.data.cache import write_shard
+
+    n, H, lengths = 5, 64, [100, 37, 250]
+    write_shard(tmp_path, 0, [str(i) for i in range(3)], [torch.arange(t) for t in lengths],
+                [torch.ones(t, dtype=torch.bool) for t in lengths], [torch.randn(t, n * H) for t in lengths],
+                storage, n)
+    size = next(tmp_path.glob("shard-*.safetensors")).stat().st_size
+    per_token = plan_costs.cache_bytes_per_token(SimpleNamespace(target_layers=n, hidden=H), storage)
+    assert 0 < size - sum(lengths) * per_token < 2048  # the JSON header and 4 int64 offsets
+
+
+def test_the_27b_cache_and_loading_figures():
+    """5 x 5120 values a token: 51.2 GB per million tokens in bf16, 25.6 in fp8, 61 TB for the paper's
+    ~800K sequences of ~1500 tokens. Loading the target online holds at most the loader's 4 tensors in
+    flight on the host (embed_tokens, lm_head and two MLP matrices: 5.1 GiB); the page cache holds up to
+    the 50.1 GiB checkpoint, once a node."""
+    job = plan.compose(["experiment=qwen3_6_27b"])
+    drafter, s, u = plan.build(job, world=8)
+    out = plan.make_plan(s, u, [80, 141], drafter, plan.make_run(job, PAPER))
+    r = out["run"]
+    assert (r["sequences"], r["tokens_per_sequence"]) == (800_000, 1500) and "paper" in r["sequences_where"]
+    assert r["cache_gb_per_million_tokens"] == {"bfloat16": 51.205, "float8_e4m3fn": 25.625}
+    assert round(r["cache_tb"], 1) == 61.4
+    assert s.target_largest == (248320 * 5120, 248320 * 5120, 17408 * 5120, 17408 * 5120)
+    load = r["loading_gib"]
+    assert load["process"] == sum(s.target_largest) * 2 / plan.GiB and 5.0 < load["process"] < 5.2
+    assert round(load["page cache (shared by a node)"], 1) == 50.1
+    assert load["heads only (offline training)"] == s.heads_params * 2 / plan.GiB
+
+
+@pytest.mark.slow
+def test_the_loading_bound_holds_a_measured_load(tmp_path):
+    """tests/target/load_probe.py's measured process memory of loading a target (float32 file, bf16 on the
+    device) stays within the plan's bound: the loader threads' largest tensors in target.dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.target.load_probe import measure, write_target
+
+    write_target(tmp_path, hidden=512, layers=8, vocab=16000)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    sizes = sorted((p.numel() for p in model.parameters()), reverse=True)
+    bound = plan_costs.loading_bytes(SimpleNamespace(target_largest=tuple(sizes[:plan_costs.LOADER_THREADS]),
+                                                     target_params=sum(sizes), heads_params=0), 2)["process"]
+    assert measure(tmp_path, "meta", "bfloat16")["peak_anon"] <= bound
+
+
+def test_gpu_hours_are_tokens_times_flops_at_the_mfu():
+    """Offline: one target forward a sequence (extraction) and the drafter's steps; online: the target's
+    forward every epoch. The drafter's FLOPs are bench/gpu.py's train_flops (what its MFU is measured
+    against); checkpointing adds the layers' forward once more."""
+    from bench.gpu import train_flops
+    from dflash.drafter.blocks import pack_blocks
+
+    job = plan.compose(["experiment=qwen3_6_27b", "train.gradient_checkpointing=false"])
+    drafter, s, u = plan.build(job, world=8)
+    run = plan.make_run(job, PAPER)
+    h = plan_costs.gpu_hours(drafter, s, u, run)
+    T, N = 1500, run.sequences
+    target = 2 * (s.target_params - s.heads_params) * T  # 2 FLOPs a non-embedding parameter a token
+    ids = torch.zeros(1, T, dtype=torch.long)
+    blocks = pack_blocks(ids, torch.ones(1, T, dtype=torch.bool), torch.tensor([T]),
+                         [torch.linspace(0, T - 2, 512).round().long()], 16, 0)
+    step = sum(train_flops(drafter, blocks).values())
+    rate = 989e12 * 0.35 * 3600
+    assert h["flops_per_token"] == {"drafter": step / T, "target forward": target / T}
+    assert h["offline"]["extraction"] == pytest.approx(N * target / rate)
+    assert h["offline"]["training"] == pytest.approx(6 * N * step / rate)
+    assert h["online"]["total"] == pytest.approx(6 * N * (step + target) / rate)
+    assert 500 < h["offline"]["total"] < h["online"]["total"] < 800
+    ckpt = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), run)
+    assert 1.15 < ckpt["offline"]["training"] / h["offline"]["training"] < 4 / 3
+    steps = plan_costs.gpu_hours(drafter, s, u, replace(run, max_steps=1000))  # 1000 x 8 processes x 1 sequence
+    assert steps["offline"]["training"] == pytest.approx(8000 * step / rate)
+
+
+def test_the_mfu_is_the_newest_gpu_results(tmp_path):
+    assert plan_costs.measured_mfu(tmp_path) is None
+    (tmp_path / "2026-12-01-cpu.json").write_text(json.dumps({"device": "cpu", "x": {"mfu": 0.9}}))
+    (tmp_path / "2026-12-02-broken.json").write_text("{not json")
+    assert plan_costs.measured_mfu(tmp_path) is None  # a CPU's figure is no GPU's
+    gpu = {"device": "NVIDIA H100 80GB HBM3", "checks": {"flex": {"lengths": {"1024": {"mfu": 0.3}, "3072": {
+        "mfu": 0.4}, "4096": {"mfu": None}}}, "q36": {"mfu": 0.5}}}
+    (tmp_path / "2026-12-03-h100.json").write_text(json.dumps(gpu))
+    (tmp_path / "2026-11-30-h100.json").write_text(json.dumps({"device": "cuda", "mfu": 0.1}))
+    assert plan_costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json")
+
+
+def test_the_run_reads_the_configured_data(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(7)))
+    job = plan.compose(["data=jsonl", f"data.prompts={prompts}", "data.offset=1", "data.limit=5"])
+    run = plan.make_run(job, {})
+    assert (run.sequences, run.sequences_where, run.tokens_per_sequence) == (5, "data.prompts", 1500)
+    assert plan.make_run({**job, "data": {**job["data"], "limit": None}}, {}).sequences == 6
+    missing = plan.make_run({**job, "data": {**job["data"], "prompts": str(tmp_path / "nope.jsonl")}}, {})
+    assert missing.sequences == 800_000 and "paper" in missing.sequences_where
+    mine = plan.make_run(job, {"sequences": 1000, "tokens_per_sequence": 999, "mfu": 0.5})
+    assert (mine.sequences, mine.tokens_per_sequence, mine.mfu, mine.mfu_where) == (1000, 999, 0.5, "mfu=")
+    assert plan.make_run({**job, "max_length": 512}, {}).tokens_per_sequence == 512
+
+
+PRESETS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_trains_as_the_plan_recommends_on_8_gpus(preset):
+    """On 8 x 80 GB the preset's mode, distribution, checkpointing and anchors are the plan's recommendation;
+    on 8 x 141 GB its mode and anchors are, and its set-up fits too. Its comment quotes the plan's figures."""
+    job = plan.compose([f"experiment={preset}"])
+    drafter, s, u = plan.build(job, world=8)
+    out = plan.make_plan(s, u, [80, 141], drafter, plan.make_run(job, PAPER))
+    at80, at141 = out["run"]["recommended"]
+    train = job["train"]
+    assert (at80["mode"], at80["distributed"], at80["checkpointing"], at80["num_anchors"]) == (
+        train.mode, train.distributed, train.gradient_checkpointing, train.num_anchors)
+    assert (at141["mode"], at141["num_anchors"]) == (train.mode, train.num_anchors)
+    assert all(g["fits"] for g in out["gpus"])
+    text = (REPO / f"conf/experiment/{preset}.yaml").read_text()
+    assert yaml.safe_load(text)["train"]["mode"] == train.mode  # the preset says it itself
+    for figure in (f"peak {at80['peak']:.1f} GiB", f"{at141['peak']:.1f} GiB", f"{out['run']['cache_tb']:.0f} TB"):
+        assert figure in text, f"conf/experiment/{preset}.yaml should quote the plan's {figure!r}"
+
+
+def test_recommend_prefers_offline_when_the_cache_fits_the_disk():
+    job = plan.compose(["experiment=qwen3_8b"])
+    _, s, u = plan.build(job, world=8)
+    run = plan.make_run(job, {**PAPER, "sequences": 10_000})  # 0.6 TB of cache
+    (rec,) = plan_costs.recommend(s, u, run, 0.6e12, [80])
+    assert (rec["mode"], rec["distributed"], rec["checkpointing"]) == ("offline", "ddp", False)
+    (big,) = plan_costs.recommend(s, u, run, 50e12, [80])  # the paper's 49 TB: online, which fits 80 GB
+    assert (big["mode"], big["distributed"], big["checkpointing"]) == ("online", "ddp", False)
+    most = {m: max_anchors(s, replace(u, online=m == "online", distributed="fsdp", checkpointing=True), 80 * plan.GiB)
+            for m in ("offline", "online")}
+    n = (most["offline"] + most["online"]) // 2  # more than the target leaves room for online
+    (tight,) = plan_costs.recommend(s, replace(u, num_anchors=n), run, 0.6e12, [80])
+    assert (tight["mode"], tight["distributed"], tight["checkpointing"], tight["num_anchors"]) == (
+        "offline", "fsdp", True, n) and "only offline fits" in tight["why"]
+    assert tight["modes"]["online"]["num_anchors"] == most["online"] < n
+    (none,) = plan_costs.recommend(s, replace(u, num_anchors=50_000), run, 0.6e12, [24])
+    assert none["mode"] == "offline" and 0 < none["num_anchors"] == max_anchors(s, replace(
+        u, online=False, distributed="fsdp", checkpointing=True), 24 * plan.GiB) < 50_000
+
+
+def test_the_command_line_prints_the_run_side_by_side(capsys):
+    plan.main(["experiment=qwen3_6_27b", "world_size=8", "sequences=100000", "mfu=0.4"])
+    text = capsys.readouterr().out
+    for line in ("feature cache on disk", "host memory a process, loading", "GPU-hours", "offline", "online",
+                 "100000 sequences (sequences=)", "MFU 40% (mfu=)", "recommended, 8 processes"):
+        assert line in text, line
+    plan.main(["experiment=qwen3_8b", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["run"]["gpu_hours"]) == {"offline", "online", "flops_per_token"}
+    assert Path(plan_costs.RESULTS).name == "results"
+    assert isinstance(Run(sequences=1, tokens_per_sequence=1, sequences_where="x").disk_tb, float)
