@@ -29,7 +29,7 @@ GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend")
 or resumed on; each may be waived knowingly with provenance.allow_mismatch=[...]."""
 
 RESUME_FIELDS = ("format_version", "target", "tokenizer", "layer_ids", "dtype", "storage", "kernel_backend",
-                 "data", "max_length", "shard_sequences")
+                 "data", "max_length", "shard_sequences", "topk_logits")
 """Fields that must agree for an unfinished cache to be resumed by another extraction."""
 
 
@@ -70,10 +70,13 @@ def target_signature(target) -> dict:
 
 
 def features_manifest(target, layer_ids: list[int], storage: str, max_length: int, data_info: dict,
-                      shard_sequences: int) -> dict:
-    """The provenance manifest of features computed now by `target` (DESIGN §3)."""
+                      shard_sequences: int, topk_logits: int = 0) -> dict:
+    """The provenance manifest of features computed now by `target` (DESIGN §3). topk_logits: k > 0 when the
+    shards also hold the target's top-k next-token log-probabilities (the key is absent otherwise, as in
+    caches made before it existed)."""
     report = backend_report(target)
     return {
+        **({"topk_logits": topk_logits} if topk_logits else {}),
         "format_version": FORMAT_VERSION,
         **target_signature(target),
         "target_path": target.path,

@@ -96,8 +96,13 @@ class FeaturesConfig:
     """Sequences per safetensors shard."""
     batch_tokens: int = 16384
     """Token budget of one padded extraction batch."""
+    topk_logits: int = 0
+    """Also store, per position, the target's k most likely next tokens (ids and log-probabilities) and the
+    probability mass left outside them, for soft-label training offline (loss=kl); 0 = none. Extraction then
+    makes batch_tokens x vocab logits at once: lower features.batch_tokens for a large vocabulary."""
 
     def __post_init__(self) -> None:
         one_of("features.storage", self.storage, {"bfloat16", "float8_e4m3fn", "float32"})
+        positive("features.topk_logits", self.topk_logits, allow_zero=True)
         positive("features.shard_sequences", self.shard_sequences)
         positive("features.batch_tokens", self.batch_tokens)

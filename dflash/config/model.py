@@ -131,17 +131,45 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 @dataclass
 class LossConfig:
-    """Decay-weighted cross-entropy over block slots."""
+    """The per-slot training loss (dflash.drafter.loss): decay-weighted CE (the paper's), D-PACE, or KL."""
 
+    objective: str = "decay_ce"
+    """decay_ce (CE on the target's greedy tokens, weights exp(-(k-1)/gamma)), dpace (CE with D-PACE weights
+    from the drafter's own confidence, arXiv 2605.18810) or kl (KL(target || drafter) on the target's
+    next-token distribution; online training only)."""
     gamma: float | None = None
     """Decay of slot weights w_k = exp(-(k-1)/gamma); null picks 7/5/4 for block size 16/10/8."""
+    alpha: float = 0.5
+    """D-PACE smoothing of the drafter's confidence q: q~ = (1 - alpha) q + alpha, in (0, 1]."""
+    normalize: str | None = None
+    """anchor (loss sum / valid anchors) or weights (loss sum / sum of the slot weights); null = weights for
+    decay weights (the paper's form), anchor for D-PACE weights (the form the D-PACE author recommends)."""
+    kl_weights: str = "decay"
+    """Slot weights of loss=kl: decay (as decay_ce) or dpace."""
     chunk_logits: int = 134217728
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
     recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
 
     def __post_init__(self) -> None:
+        one_of("loss.objective", self.objective, {"decay_ce", "dpace", "kl"})
+        one_of("loss.kl_weights", self.kl_weights, {"decay", "dpace"})
+        if self.normalize is not None:
+            one_of("loss.normalize", self.normalize, {"anchor", "weights"})
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"loss.alpha={self.alpha} must be in (0, 1] (1 = uniform D-PACE weights)")
         positive("loss.gamma", self.gamma)
         positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
+
+    @property
+    def weighting(self) -> str:
+        """decay or dpace: how the slots are weighted."""
+        return "dpace" if self.objective == "dpace" or (self.objective == "kl" and self.kl_weights == "dpace") \
+            else "decay"
+
+    @property
+    def normalizer(self) -> str:
+        """anchor or weights (loss.normalize, or its default for the weighting)."""
+        return self.normalize or ("anchor" if self.weighting == "dpace" else "weights")
 
     def gamma_for(self, block_size: int) -> float:
         if self.gamma is not None:

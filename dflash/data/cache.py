@@ -3,7 +3,9 @@
 Shard `shard-00007.safetensors` holds, for its sequences in order: `input_ids` [T] int32,
 `loss_mask` [T] uint8, `offsets` [n+1] int64 (sequence i is rows offsets[i]:offsets[i+1]) and
 `features` [T, n_layers*H] in the storage dtype (bfloat16, float32, or float8_e4m3fn with
-`scales` [T, n_layers] float32, one scale per token and layer). Shards are read memory-mapped,
+`scales` [T, n_layers] float32, one scale per token and layer), and with features.topk_logits = k the
+target's top-k next-token distribution per position (`topk_logprobs` [T, k], `topk_ids` [T, k], `topk_rest`
+[T]; manifest key `topk_logits`). Shards are read memory-mapped,
 one sequence at a time. Each finished shard has a sidecar `shard-00007.json` (its manifest
 entry, with a sha256 of the file); `manifest.json` says what made the features (DESIGN §3)
 and, once every shard is written, `complete: true`. `verified/rank-<r>.json` (dflash.data.stamp) records
@@ -61,10 +63,13 @@ def dequantize(stored: torch.Tensor, scales: torch.Tensor | None, n_layers: int,
 
 
 def write_shard(root: Path, k: int, ids: list[str], input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor],
-                features: list[torch.Tensor], storage: str, n_layers: int, stamp: Stamp | None = None) -> dict:
+                features: list[torch.Tensor], storage: str, n_layers: int, stamp: Stamp | None = None,
+                topk: list | None = None) -> dict:
     """Write shard k atomically (temp file, fsync, rename), then its sidecar; return the entry. With
     `stamp` (the writing process's), the writer's digest is recorded there, so that no later start
-    hashes the shard again while its file is unchanged."""
+    hashes the shard again while its file is unchanged. topk: per sequence a dflash.target.features.TopK
+    [T, k] (features.topk_logits), stored as topk_logprobs [T, k] float32, topk_ids [T, k] int32 and
+    topk_rest [T] float32."""
     lengths = torch.tensor([0] + [t.numel() for t in input_ids])
     tensors = {
         "input_ids": torch.cat(input_ids).to(torch.int32),
@@ -72,6 +77,10 @@ def write_shard(root: Path, k: int, ids: list[str], input_ids: list[torch.Tensor
         "offsets": lengths.cumsum(0).to(torch.int64),
         **quantize(torch.cat([f.float() for f in features]), storage, n_layers),
     }
+    if topk is not None:
+        tensors["topk_logprobs"] = torch.cat([t.logprobs.float() for t in topk]).contiguous()
+        tensors["topk_ids"] = torch.cat([t.ids for t in topk]).to(torch.int32).contiguous()
+        tensors["topk_rest"] = torch.cat([t.rest.float() for t in topk]).contiguous()
     layout = CacheLayout(root)
     path = layout.shard(k)
     tmp = root / f".{path.name}.tmp"
@@ -300,6 +309,24 @@ class FeatureCache:
         stored = f.get_slice("features")[s:e]
         scales = f.get_slice("scales")[s:e] if "scales" in f.keys() else None
         return ids, mask, stored, scales
+
+    @property
+    def topk_logits(self) -> int:
+        """k of the stored top-k next-token distributions (features.topk_logits); 0 when there are none."""
+        return int(self.manifest.get("topk_logits") or 0)
+
+    def topk(self, i: int):
+        """Sequence i's stored top-k next-token distribution, a dflash.target.features.TopK [T, k] (ids as
+        int64), or None when the cache holds none."""
+        from dflash.target.features import TopK
+
+        if not self.topk_logits:
+            return None
+        k, j = self.index[i]
+        f = self._open(k)
+        s, e = self.offsets[k][j].item(), self.offsets[k][j + 1].item()
+        return TopK(f.get_slice("topk_logprobs")[s:e], f.get_slice("topk_ids")[s:e].long(),
+                    f.get_slice("topk_rest")[s:e])
 
     def __getstate__(self):  # handles do not cross process boundaries; reopen lazily
         state = dict(self.__dict__)

@@ -21,7 +21,7 @@ from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.sequences import Prepared, prepare_sequences
 from dflash.dist import Dist
 from dflash.provenance import features_manifest
-from dflash.target.features import batched_features
+from dflash.target.features import TopK, batched_features
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 
@@ -29,12 +29,15 @@ log = logging.getLogger(__name__)
 
 
 def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, dest: Path, dist: Dist, *,
-                     storage: str, shard_sequences: int, batch_tokens: int, max_length: int | None) -> dict:
+                     storage: str, shard_sequences: int, batch_tokens: int, max_length: int | None,
+                     topk_logits: int = 0) -> dict:
     """Features of `prepared` (layers `layer_ids`) into the cache at `dest`: every shard not yet on
-    disk (this process's share), then the manifest is finalized on the main process. Returns it."""
+    disk (this process's share), then the manifest is finalized on the main process. Returns it.
+    topk_logits = k > 0: the shards also hold the target's top-k next-token distribution (features.topk_logits)."""
     from tqdm import tqdm
 
-    manifest = features_manifest(target, layer_ids, storage, max_length, prepared.info, shard_sequences)
+    manifest = features_manifest(target, layer_ids, storage, max_length, prepared.info, shard_sequences,
+                                 topk_logits)
     root = Path(dest)
     seqs = prepared.sequences
     num_shards = math.ceil(len(seqs) / shard_sequences)
@@ -52,11 +55,15 @@ def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, d
     for k in mine:
         part = seqs[k * shard_sequences:(k + 1) * shard_sequences]
         feats: list[torch.Tensor | None] = [None] * len(part)
-        for i, f in batched_features(target, [s.input_ids for s in part], layer_ids, batch_tokens):
+        soft: list | None = [None] * len(part) if topk_logits else None
+        for i, f, top in batched_features(target, [s.input_ids for s in part], layer_ids, batch_tokens,
+                                          topk_logits):
             feats[i] = f.cpu()
+            if soft is not None:
+                soft[i] = TopK(top.logprobs.cpu(), top.ids.cpu(), top.rest.cpu())
             bar.update(part[i].input_ids.numel())
         fcache.write_shard(root, k, [s.id for s in part], [s.input_ids for s in part],
-                           [s.loss_mask for s in part], feats, storage, len(layer_ids), stamp=stamp)
+                           [s.loss_mask for s in part], feats, storage, len(layer_ids), stamp=stamp, topk=soft)
     bar.close()
     dist.wait_long("extract")  # hours, and not the same on every process
     if dist.is_main:
@@ -90,7 +97,7 @@ def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
     return extract_features(target, resolve_layer_ids(job.layers, target.num_layers), prepared,
                             Path(job.features.dir), dist, storage=job.features.storage,
                             shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
-                            max_length=job.data.max_length)
+                            max_length=job.data.max_length, topk_logits=job.features.topk_logits)
 
 
 def extract(job: JobConfig) -> dict:

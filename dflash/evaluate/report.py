@@ -6,7 +6,8 @@
 
 Reads each run folder's metrics.jsonl, config.yaml and eval/*/summary.json. The table holds
 final and best held-out tau, acc@1, ddtree@8 and train loss per run, with the config keys that
-differ between the runs as columns.
+differ between the runs as columns; where runs repeat an arm with other seeds (train.seed), a second table
+gives each arm's mean and spread over its seeds.
 """
 
 from __future__ import annotations
@@ -93,6 +94,46 @@ def summary_row(run: dict) -> dict:
             "final_loss": losses[-1] if losses else None}
 
 
+SEED_KEYS = ("train.seed",)
+"""Config keys that make repeats of one arm (a sweep's seeds), not different arms."""
+
+
+def arm_rows(runs: list[dict], keys: list[str]) -> tuple[list[str], list[dict]]:
+    """Runs grouped by arm (their values of the differing keys other than the seeds), with the mean and spread
+    (sample standard deviation, n-1) over each arm's seeds of the final held-out tau, acc@1 and ddtree@8 and
+    the best tau. Returns (the arm keys, one row per arm, in first-seen order); no rows when no arm has two
+    runs (nothing to average)."""
+    arm_keys = [k for k in keys if k not in SEED_KEYS]
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        arm = " ".join(f"{k}={_fmt(r['config'].get(k))}" for k in arm_keys) or "all"
+        groups.setdefault(arm, []).append(r)
+    if all(len(g) < 2 for g in groups.values()):
+        return arm_keys, []
+    rows = []
+    for arm, members in groups.items():
+        row = {"arm": arm, "seeds": len(members)}
+        for name, key in (("tau", "eval/tau"), ("acc@1", "eval/acc@1"), ("ddtree@8", "eval/ddtree@8")):
+            row[name], row[f"{name} sd"] = _mean_sd([_final(m, key) for m in members])
+        row["best_tau"], row["best_tau sd"] = _mean_sd([summary_row(m)["best_tau"] for m in members])
+        rows.append(row)
+    return arm_keys, rows
+
+
+def _final(run: dict, key: str):
+    evals = run["evals"]
+    return evals[max(evals)]["metrics"].get(key) if evals else None
+
+
+def _mean_sd(values: list) -> tuple[float | None, float | None]:
+    xs = [float(v) for v in values if isinstance(v, (int, float))]
+    if not xs:
+        return None, None
+    mean = sum(xs) / len(xs)
+    sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else None
+    return mean, sd
+
+
 def make_plots(runs: list[dict], out: Path) -> dict[str, Path]:
     """held-out tau, train loss and train tau against step (all runs), and per-position accuracy
     at each run's best checkpoint."""
@@ -132,6 +173,12 @@ def write_report(paths: list[Path], out: Path) -> Path:
     md = ["# dflash run comparison", "", f"{len(runs)} runs: " + ", ".join(f"`{r['path']}`" for r in runs), "",
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(row) + " |" for row in table]
+    arm_keys, arms = arm_rows(runs, keys)
+    if arms:
+        cols = list(arms[0])
+        md += ["", f"## Per arm: mean and sample sd over seeds (final held-out eval; arms by {', '.join(arm_keys)})",
+               "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        md += ["| " + " | ".join(_fmt(a[c]) for c in cols) + " |" for a in arms]
     md += ["", *[f"![{name}]({p.name})" for name, p in plots.items()], ""]
     page = out / "report.md"
     page.write_text("\n".join(md))
@@ -140,8 +187,8 @@ def write_report(paths: list[Path], out: Path) -> Path:
         "<!doctype html><meta charset=utf-8><title>dflash runs</title><h1>dflash run comparison</h1><table border=1>"
         "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + f"</tr>{cells}</table>"
         + "".join(f'<h3>{n}</h3><img src="{p.name}">' for n, p in plots.items()))
-    write_json(out / "summary.json", {"rows": rows, "differing": {k: {r["name"]: r["config"].get(k) for r in runs}
-                                                                   for k in keys}})
+    write_json(out / "summary.json", {"rows": rows, "arms": arms,
+                                      "differing": {k: {r["name"]: r["config"].get(k) for r in runs} for k in keys}})
     return page
 
 

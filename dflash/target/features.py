@@ -65,11 +65,34 @@ def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int]
     return TargetOutput(features=features, logits=None if logits_to_keep is None else out.logits)
 
 
+@dataclass
+class TopK:
+    """The target's next-token distribution at each position, reduced to its k most likely tokens."""
+
+    logprobs: torch.Tensor
+    """[..., k] float32 log-probabilities of the k tokens (descending)."""
+    ids: torch.Tensor
+    """[..., k] their token ids."""
+    rest: torch.Tensor
+    """[...] float32 probability mass of every other token, 1 - sum(exp(logprobs)), at least 0."""
+
+
+def topk_of(logits: torch.Tensor, k: int) -> TopK:
+    """TopK of logits [..., vocab] (softmax over the whole vocabulary, then its k largest)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    rest = (1 - values.exp().sum(-1)).clamp_min(0)
+    if k >= logp.shape[-1]:  # nothing is left out: not the rounding residue of the sum, which the loss would
+        rest = torch.zeros_like(rest)  # weigh against the drafter's (empty) remainder
+    return TopK(values, ids, rest)
+
+
 def batched_features(target: Target, sequences: list[torch.Tensor], layer_ids: list[int],
-                     batch_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:
+                     batch_tokens: int, topk: int = 0) -> Iterator[tuple[int, torch.Tensor, TopK | None]]:
     """Features of many sequences, in right-padded batches of at most `batch_tokens` tokens.
 
-    Yields (index into `sequences`, features [L_i, n*H] on the target's device), longest
+    Yields (index into `sequences`, features [L_i, n*H] on the target's device, TopK [L_i, k] of the
+    target's next-token distribution at each position when topk = k > 0, else None), longest
     sequences first (similar lengths share a batch, so little compute goes to padding).
     """
     order = sorted(range(len(sequences)), key=lambda i: -sequences[i].numel())
@@ -84,9 +107,13 @@ def batched_features(target: Target, sequences: list[torch.Tensor], layer_ids: l
             mask[row, : sequences[i].numel()] = 1
         padded = bool((mask == 0).any())
         out = target_forward(target, ids.to(target.device), layer_ids,
-                             attention_mask=mask.to(target.device) if padded else None)
+                             attention_mask=mask.to(target.device) if padded else None,
+                             logits_to_keep=0 if topk else None)
+        soft = topk_of(out.logits, topk) if topk else None
         for row, i in enumerate(batch):
-            yield i, out.features[row, : sequences[i].numel()]
+            n = sequences[i].numel()
+            yield i, out.features[row, :n], (TopK(soft.logprobs[row, :n], soft.ids[row, :n], soft.rest[row, :n])
+                                             if soft else None)
 
     for i in order:
         width = sequences[batch[0]].numel() if batch else sequences[i].numel()

@@ -17,6 +17,7 @@ import torch
 from dflash.config import NoiseConfig
 from dflash.drafter.blocks import PackedBlocks, pack_blocks, sample_anchors
 from dflash.drafter.loss import label_rows, slot_weights
+from dflash.target.features import TopK
 
 
 def seed_for(*parts) -> int:
@@ -97,6 +98,9 @@ class Batch:
     """Tokens in the micro-batch (sum of lengths)."""
     num_blocks: int
     """Real (not padding) blocks packed: the anchors sampled."""
+    topk: TopK | None = None
+    """[b, L, k] (rest [b, L]) the target's stored top-k next-token distributions (offline, from a cache
+    extracted with features.topk_logits, for loss=kl); else None. Padding positions hold zeros."""
 
     def pin_memory(self) -> Batch:
         """A copy with every tensor (the packed blocks' too) in page-locked memory: what the DataLoader calls
@@ -109,8 +113,9 @@ class MicroBatches(torch.utils.data.Dataset):
     """Item k = this process's k-th micro-batch from `start_step` on, collated and packed."""
 
     def __init__(self, source, schedule: Schedule, rank: int, start_step: int, total_steps: int,
-                 num_anchors: int, block_size: int, mask_token_id: int, gamma: float):
+                 num_anchors: int, block_size: int, mask_token_id: int, gamma: float, topk: bool = False):
         self.source, self.schedule, self.rank = source, schedule, rank
+        self.topk = topk  # read the source's stored top-k distributions (loss=kl offline)
         self.start_step, self.total_steps = start_step, total_steps
         self.num_anchors, self.block_size, self.mask_token_id = num_anchors, block_size, mask_token_id
         self.weights = slot_weights(block_size, gamma).double()
@@ -144,7 +149,19 @@ class MicroBatches(torch.utils.data.Dataset):
         weight_sum = float((blocks.label_mask.double() * self.weights).sum())
         return Batch(step, micro, epoch, index, [self.source.id_of(i) for i in index], input_ids, loss_mask,
                      lengths, features, scales, blocks, label_rows(blocks.label_mask), weight_sum,
-                     int(lengths.sum()), int(blocks.valid.sum()))
+                     int(lengths.sum()), int(blocks.valid.sum()), topk=self._topk(index, L))
+
+    def _topk(self, index: list[int], L: int) -> TopK | None:
+        """The sequences' stored top-k distributions, right-padded to [b, L, k], or None (none stored)."""
+        tops = [self.source.topk(i) for i in index] if self.topk else []
+        if not tops or tops[0] is None:
+            return None
+        b, k = len(tops), tops[0].ids.shape[-1]
+        out = TopK(torch.zeros(b, L, k), torch.zeros(b, L, k, dtype=torch.long), torch.zeros(b, L))
+        for row, t in enumerate(tops):
+            n = t.ids.shape[0]
+            out.logprobs[row, :n], out.ids[row, :n], out.rest[row, :n] = t.logprobs, t.ids, t.rest
+        return out
 
 
 class CachedSource:
@@ -159,6 +176,10 @@ class CachedSource:
 
     def __getitem__(self, i):
         return self.cache.stored(i)
+
+    def topk(self, i: int):
+        """Sequence i's stored top-k next-token distribution (TopK [T, k]), or None."""
+        return self.cache.topk(i)
 
     def id_of(self, i: int) -> str:
         return self.cache.ids[i]
@@ -176,6 +197,9 @@ class SequenceSource:
     def __getitem__(self, i):
         s = self.sequences[i]
         return s.input_ids, s.loss_mask, None, None
+
+    def topk(self, i: int):
+        return None  # online: the loop has the target's full logits
 
     def id_of(self, i: int) -> str:
         return self.sequences[i].id

@@ -32,7 +32,7 @@ from dflash.tracking import RunLogger, config_dict, default_run_name, record_run
 from dflash.train import checkpoints as ckpt
 from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
 from dflash.train.batches import MicroBatches, Schedule
-from dflash.train.optim import build_optimizer, build_scheduler
+from dflash.train.optim import build_optimizer, build_scheduler, check_optimizer
 from dflash.train.sources import keep_heads_only, training_source, training_target
 from dflash.train.step import train_step, window_totals
 
@@ -69,6 +69,7 @@ def train(job: JobConfig) -> Path:
                           "train.resume=latest|best|step<N>|<path>")
     acc = make_accelerator(job)
     backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
+    check_optimizer(job.optim, fsdp=is_fsdp(acc))
     dist = current()  # the Accelerator's processes, with the store that long waits go through
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
@@ -109,7 +110,7 @@ def train(job: JobConfig) -> Path:
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
-                        drafter.block_size, drafter.mask_token_id, gamma)
+                        drafter.block_size, drafter.mask_token_id, gamma, topk=job.loss.objective == "kl")
     # pinned (Batch.pin_memory) on CUDA, so train_step's non_blocking copies do not wait for the device
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
                                                pin_memory=acc.device.type == "cuda"))

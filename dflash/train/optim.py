@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule: transformers' warmup + cosine (with a floor) or constant."""
+"""The optimizer (AdamW, or Muon + AdamW) and the learning-rate schedule: transformers' warmup + cosine (with
+a floor) or constant."""
 
 from __future__ import annotations
 
@@ -7,20 +8,101 @@ import math
 import torch
 
 from dflash.config import OptimConfig
+from dflash.errors import ConfigError
 
 
 def warmup_steps(total_steps: int, cfg: OptimConfig) -> int:
     return int(math.ceil(cfg.warmup_ratio * total_steps))
 
 
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """Muon's share (optim=muon): the hidden 2-D matrices of the decoder layers (attention and MLP
+    projections). Not `fc`, the input projection of the concatenated target features (Muon's convention
+    leaves input and output maps, like embeddings and heads, to AdamW; the embeddings and LM head here are
+    the frozen target's anyway), nor norms and biases (not matrices)."""
+    return p.ndim == 2 and "norm" not in name and "fc" not in name.split(".")
+
+
+def check_optimizer(cfg: OptimConfig, fsdp: bool) -> None:
+    """optim=muon runs under DDP (or one process) only: FSDP shards the matrices Muon orthogonalises whole,
+    and its optimizer checkpoints expect one torch optimizer's state layout, not MuonAdamW's."""
+    if cfg.name == "muon" and fsdp:
+        raise ConfigError("optim=muon is not supported with FSDP (it shards the matrices Muon orthogonalises, "
+                          "and its checkpoints expect one torch optimizer's state); train with DDP, or use "
+                          "optim=adamw")
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; norms and biases get no weight decay."""
-    decay, no_decay = [], []
+    """AdamW (norms and biases get no weight decay), or with optim.name=muon torch.optim.Muon on the hidden
+    matrices (`is_muon_param`) and AdamW on the rest, as one optimizer (`MuonAdamW`)."""
+    decay, no_decay, muon = [], [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if not p.requires_grad:
+            continue
+        if cfg.name == "muon" and is_muon_param(name, p):
+            muon.append(p)
+        else:
             (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name != "muon":
+        return adamw
+    if not muon:
+        raise ValueError("optim=muon found no hidden 2-D weights to give Muon; use optim=adamw")
+    adjust = None if cfg.muon_adjust_lr == "original" else cfg.muon_adjust_lr
+    inner = torch.optim.Muon([{"params": muon, "weight_decay": cfg.weight_decay}], lr=cfg.muon_lr,
+                             momentum=cfg.muon_momentum, adjust_lr_fn=adjust)
+    return MuonAdamW(inner, adamw)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon and AdamW stepped as one optimizer, so accelerate prepares, saves and restores one object and one
+    LR scheduler drives both.
+
+    param_groups are the two inner optimizers' own group dicts (Muon's first), so a scheduler setting
+    group["lr"] (from each group's initial_lr) reaches them; state_dict is {"muon": ..., "adamw": ...} and
+    load_state_dict restores each exactly (what an AdamW alone round-trips).
+    """
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.muon, self.adamw = muon, adamw
+        # Optimizer.__init__ registers these very dicts (add_param_group keeps the dict it is given)
+        super().__init__(muon.param_groups + adamw.param_groups, defaults={})
+
+    @property
+    def state(self):
+        """The inner optimizers' per-parameter state, merged (read-only view; their params are disjoint)."""
+        return {**self.muon.state, **self.adamw.state}
+
+    @state.setter
+    def state(self, _value) -> None:  # Optimizer.__init__ assigns an empty state: the inner ones hold it
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if set(state_dict) != {"muon", "adamw"}:
+            raise ValueError(f"optimizer state has keys {sorted(state_dict)}: not a Muon + AdamW checkpoint "
+                             "(optim=muon); resume with the optimizer it was trained with")
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+        # loading gives the inner optimizers new group dicts: share them again, for the scheduler
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig):

@@ -53,6 +53,7 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
                                      job.features.shard_sequences)
         return SequenceSource(prepared.sequences), manifest
     extracted_now = not fcache.is_complete(job.features.dir)
+    check_soft_labels(job, None if extracted_now else fcache.read_manifest(Path(job.features.dir)))
     if extracted_now:
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
@@ -69,6 +70,28 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
                      actual_name=f"the feature cache {job.features.dir}",
                      fields=("target", "tokenizer", "dtype", "layer_ids"))
     return CachedSource(cache), cache.manifest
+
+
+def check_soft_labels(job: JobConfig, manifest: dict | None) -> None:
+    """loss=kl offline needs the target's top-k distributions in the cache (features.topk_logits): refuse,
+    before any extraction or training, a cache without them (`manifest`) or an extraction that would not
+    store them (manifest None)."""
+    if job.loss.objective != "kl":
+        return
+    if manifest is None and not job.features.topk_logits:
+        raise ConfigError("loss=kl trains on the target's next-token distributions, and features.topk_logits=0 "
+                          "extracts none into the cache: set features.topk_logits (e.g. 64), or train with "
+                          "train.mode=online")
+    if manifest is not None and not manifest.get("topk_logits"):
+        raise ConfigError(f"loss=kl trains on the target's next-token distributions, and the feature cache "
+                          f"{job.features.dir} stores none (extracted without features.topk_logits): extract "
+                          f"into a new features.dir with features.topk_logits=64 (say), or train with "
+                          f"train.mode=online")
+    if manifest is not None and job.features.topk_logits and manifest["topk_logits"] != job.features.topk_logits:
+        raise ConfigError(f"features.topk_logits={job.features.topk_logits}, but the feature cache "
+                          f"{job.features.dir} stores the top {manifest['topk_logits']}: set "
+                          f"features.topk_logits={manifest['topk_logits']} (or 0: what the cache holds), or "
+                          f"extract into a new features.dir")
 
 
 def prompts_key(data: DataConfig) -> dict | None:

@@ -5,6 +5,9 @@ What a step costs the host, on CUDA, outside the log and checkpoint steps:
   accelerate's `no_sync` (DDP reads its flag in the forward, FSDP2 in the backward: both run inside it);
 - one collective before the forwards, the step's global weight sum (exact loss normalisation), queued on the
   device from a host number, and no read-back: the scale it gives stays a device tensor;
+  (loss.normalize=anchor: the valid anchors instead, also host numbers; loss=dpace with loss.normalize=weights
+  has its normaliser only after the forwards: the backwards are scaled by 1/anchors and the gradients rescaled
+  by anchors/weights afterwards, one more all_reduce and read-back, `rescale_gradients`);
 - one read-back after the backwards: a flag of non-finite loss or gradient norm, summed over processes (one
   all_reduce), checked before the update; which micro-batch it was is found afterwards, from the per-micro-batch
   losses kept on the device;
@@ -25,8 +28,8 @@ import torch
 from dflash.data.cache import dequantize
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed
-from dflash.drafter.loss import block_loss
-from dflash.errors import TrainingError
+from dflash.drafter.loss import block_loss, label_logits
+from dflash.errors import ConfigError, TrainingError
 from dflash.target.features import target_forward
 from dflash.train.batches import Batch, add_noise, map_tensors
 
@@ -47,20 +50,66 @@ def batch_features(acc, target, drafter, batch: Batch) -> torch.Tensor:
         scales = None if batch.scales is None else to_device(batch.scales, acc.device).view(b * L, n_layers)
         return dequantize(stored.view(b * L, D), scales, n_layers, torch.float32).view(b, L, D)
     ids = to_device(batch.input_ids, acc.device)
-    b, L = ids.shape
-    mask = None
-    if batch.num_tokens < b * L:  # a row is padded (known on the host, nothing read back)
-        lengths = to_device(batch.lengths, acc.device)
-        mask = (torch.arange(L, device=acc.device)[None] < lengths[:, None]).long()
+    mask = _padding_mask(acc, batch, *ids.shape)
     return target_forward(target, ids, drafter.target_layer_ids, attention_mask=mask).features.float()
 
 
-def global_weight(acc, micro: list[Batch]) -> torch.Tensor:
+def features_and_logits(acc, target, drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online, for the soft-label loss (loss=kl): (features float32 [b, L, n_layers*H], logits [b, L, vocab])
+    from one target forward."""
+    ids = to_device(batch.input_ids, acc.device)
+    out = target_forward(target, ids, drafter.target_layer_ids, attention_mask=_padding_mask(acc, batch, *ids.shape),
+                         logits_to_keep=0)
+    return out.features.float(), out.logits
+
+
+def _padding_mask(acc, batch: Batch, b: int, L: int) -> torch.Tensor | None:
+    """[b, L] 1 = token, 0 = right padding, or None when no row is padded (known on the host)."""
+    if batch.num_tokens == b * L:
+        return None
+    lengths = to_device(batch.lengths, acc.device)
+    return (torch.arange(L, device=acc.device)[None] < lengths[:, None]).long()
+
+
+def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev) -> dict:
+    """block_loss's soft-label argument at the labelled rows: the target's full logits (online), or the
+    top-k distributions the cache stores (offline, features.topk_logits)."""
+    if logits is not None:
+        return {"target_logits": label_logits(logits, blocks.anchors, rows, blocks.block_size)}
+    if batch.topk is None:
+        raise ConfigError("loss=kl needs the target's next-token distributions, and this micro-batch has none: "
+                          "the feature cache was extracted without features.topk_logits. Extract into a new "
+                          "features.dir with features.topk_logits=64 (say), or train with train.mode=online")
+    at = lambda t: label_logits(to_device(t, dev), blocks.anchors, rows, blocks.block_size)  # noqa: E731
+    return {"target_topk": (at(batch.topk.logprobs), at(batch.topk.ids), at(batch.topk.rest[..., None])[:, 0])}
+
+
+def valid_anchors(batch: Batch) -> int:
+    """Blocks of the micro-batch with at least one labelled slot (host numbers: blocks are still CPU tensors)."""
+    return int(batch.blocks.label_mask.any(-1).sum())
+
+
+def rescale_gradients(acc, model, anchors: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """loss.normalize=weights with D-PACE weights, which exist only after the forwards: the backwards were
+    scaled by 1 / (the step's valid anchors); multiply the gradients by anchors / (the step's D-PACE weight
+    sum, all processes), which makes them those of loss_sum / weight_sum exactly. One all_reduce and one
+    read-back. Returns the global weight sum (float64, device)."""
+    total = torch.stack(weights).double().sum()
+    total = acc.reduce(total, reduction="sum") if acc.num_processes > 1 else total
+    factor = float(anchors / total.clamp_min(1e-12))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+    return total
+
+
+def global_weight(acc, micro: list[Batch], share=lambda b: b.weight_sum) -> torch.Tensor:
     """The step's loss normaliser: the slot weights of all its micro-batches on all processes, a float64 scalar
     on the device. Each batch's share is a host number; their sum is copied without waiting and all_reduced on
     the device, queued before the forwards, and only the first backward's scaling waits for it. (A reduce on
-    the host would need a gloo group beside NCCL, and a read-back, `.item()`, would wait for the device.)"""
-    local = torch.tensor(sum(b.weight_sum for b in micro), dtype=torch.float64)
+    the host would need a gloo group beside NCCL, and a read-back, `.item()`, would wait for the device.)
+    share(batch): a batch's host-side share (the slot weights, or `valid_anchors` for loss.normalize=anchor)."""
+    local = torch.tensor(sum(share(b) for b in micro), dtype=torch.float64)
     local = to_device(local.pin_memory() if acc.device.type == "cuda" else local, acc.device)
     return acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
 
@@ -69,27 +118,43 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     """One optimizer step over `micro` (grad_accum micro-batches of loop.Model `m`); its sums go into
     state.window, as device tensors. Host syncs and collectives: see this module's docstring."""
     dev = acc.device
-    total_w = global_weight(acc, micro)
+    cfg = job.loss
+    dpace_by_weights = cfg.weighting == "dpace" and cfg.normalizer == "weights"  # normaliser known after forwards
+    by_anchor = cfg.normalizer == "anchor" or dpace_by_weights
+    total_w = global_weight(acc, micro, valid_anchors if by_anchor else (lambda b: b.weight_sum))
+    soft, dyn_weights = cfg.objective == "kl", []
+    options = {} if cfg.objective == "decay_ce" else {"weighting": cfg.weighting, "alpha": cfg.alpha}
     scale = acc.num_processes / total_w.clamp_min(1e-12)  # DDP averages gradients over processes
     window, n_layers = state.window, len(m.drafter.target_layer_ids)
     losses = []  # per micro-batch, on the device: which one was non-finite is found after the check
     for i, batch in enumerate(micro):
         blocks = map_tensors(batch.blocks, lambda t: to_device(t, dev))
-        clean = batch_features(acc, target, m.drafter, batch)
+        logits = None
+        if soft and batch.features is None:  # online: the target's full logits, from the same forward
+            clean, logits = features_and_logits(acc, target, m.drafter, batch)
+        else:
+            clean = batch_features(acc, target, m.drafter, batch)
         noised = add_noise(clean, job.noise, n_layers, job.train.seed, batch.epoch, batch.index)
         # the backward inside no_sync too: FSDP2 reads the flag there (DDP in the forward)
         with acc.no_sync(m.model) if i < len(micro) - 1 else nullcontext():
             with acc.autocast():
                 hidden = draft_packed(m.drafter, target.embed_tokens, noised, blocks, backend, model=m.model,
                                       num_blocks=job.train.num_anchors)
-                loss_sum, _, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask,
-                                               gamma, job.loss.chunk_logits, rows=to_device(batch.label_rows, dev))
+                rows = to_device(batch.label_rows, dev)
+                if soft:
+                    options.update(soft_targets(batch, logits, blocks, rows, dev))
+                loss_sum, w_sum, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask,
+                                                   gamma, job.loss.chunk_logits, rows=rows, **options)
             acc.backward(loss_sum * scale)
+        if dpace_by_weights:
+            dyn_weights.append(w_sum.detach())
         losses.append(loss_sum.detach())
         window["loss_sum"] = window.get("loss_sum", 0.0) + losses[-1].double()
         window["counts"] = metrics.add(window.get("counts"), metrics.count(pred, blocks.labels, blocks.label_mask))
         window["tokens"] = window.get("tokens", 0) + batch.num_tokens
         window["anchors"] = window.get("anchors", 0) + batch.num_blocks
+    if dpace_by_weights:
+        total_w = rescale_gradients(acc, m.model, total_w, dyn_weights)
     window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
     grad_norm = acc.clip_grad_norm_(m.model.parameters(), job.optim.grad_clip or float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor

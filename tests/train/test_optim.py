@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dflash.config import OptimConfig
-from dflash.train.optim import build_optimizer, build_scheduler, warmup_steps
+from dflash.errors import ConfigError
+from dflash.train.optim import (MuonAdamW, build_optimizer, build_scheduler, check_optimizer, is_muon_param,
+                                   warmup_steps)
 
 LR = 1e-3
 
@@ -88,3 +90,102 @@ def test_norms_and_biases_get_no_weight_decay():
     assert no_decay["weight_decay"] == 0.0
     for group in (decay, no_decay):
         assert group["lr"] == LR and group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6
+
+
+# --- optim=muon ------------------------------------------------------------------------------------------------
+
+class Drafterish(torch.nn.Module):
+    """The drafter's parameter names: fc (input projection), layers.N.self_attn/mlp matrices, norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4, bias=False)
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({
+            "self_attn": torch.nn.ModuleDict({"q_proj": torch.nn.Linear(4, 4), "q_norm": torch.nn.LayerNorm(4)}),
+            "mlp": torch.nn.ModuleDict({"down_proj": torch.nn.Linear(4, 4, bias=False)})})])
+        self.hidden_norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        layer = self.layers[0]
+        h = layer["self_attn"]["q_norm"](layer["self_attn"]["q_proj"](h))
+        return self.hidden_norm(layer["mlp"]["down_proj"](h))
+
+
+MUON = OptimConfig(name="muon", lr=LR, muon_lr=0.02, weight_decay=0.1, warmup_ratio=0.25, min_lr_ratio=0.1)
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = Drafterish()
+    opt = build_optimizer(model, MUON)
+    assert isinstance(opt, MuonAdamW) and isinstance(opt.muon, torch.optim.Muon)
+    layer = model.layers[0]
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    assert muon == {id(layer["self_attn"]["q_proj"].weight), id(layer["mlp"]["down_proj"].weight)}
+    decay, no_decay = opt.adamw.param_groups
+    assert {id(p) for p in decay["params"]} == {id(model.fc.weight)}
+    assert len(no_decay["params"]) == 5 and all(p.ndim == 1 for p in no_decay["params"])
+    assert opt.muon.param_groups[0]["weight_decay"] == 0.1 and opt.muon.param_groups[0]["momentum"] == 0.95
+    assert not is_muon_param("fc.weight", model.fc.weight) and not is_muon_param("module.fc.weight", model.fc.weight)
+
+
+def _steps(model, opt, sched, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        model(torch.randn(3, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_the_schedule_drives_both_learning_rates_also_after_a_state_load():
+    model = Drafterish()
+    opt = build_optimizer(model, MUON)
+    sched = build_scheduler(opt, 8, MUON)
+    _steps(model, opt, sched, 2, 0)  # warmup 2 steps: at the peak now
+    assert opt.muon.param_groups[0]["lr"] == pytest.approx(0.02)
+    assert opt.adamw.param_groups[0]["lr"] == pytest.approx(LR)
+    fresh = build_optimizer(model, MUON)
+    fresh_sched = build_scheduler(fresh, 8, MUON)
+    fresh.load_state_dict(opt.state_dict())
+    fresh_sched.load_state_dict(sched.state_dict())
+    _steps(model, fresh, fresh_sched, 6, 1)
+    ratio = 0.1  # cosine floor at the last step
+    assert fresh.muon.param_groups[0]["lr"] == pytest.approx(0.02 * ratio)
+    assert fresh.adamw.param_groups[1]["lr"] == pytest.approx(LR * ratio)
+
+
+def test_muon_state_round_trips_exactly():
+    """Continuing from a loaded state dict gives bit-identical weights to never having stopped."""
+    torch.manual_seed(0)
+    a = Drafterish()
+    b = Drafterish()
+    b.load_state_dict(a.state_dict())
+    opt_a, opt_b = build_optimizer(a, MUON), build_optimizer(b, MUON)
+    sch_a, sch_b = build_scheduler(opt_a, 8, MUON), build_scheduler(opt_b, 8, MUON)
+    _steps(a, opt_a, sch_a, 3, 0)
+    _steps(b, opt_b, sch_b, 3, 0)
+    saved, saved_sched = opt_b.state_dict(), sch_b.state_dict()
+    opt_c = build_optimizer(b, MUON)
+    sch_c = build_scheduler(opt_c, 8, MUON)
+    opt_c.load_state_dict(saved)
+    sch_c.load_state_dict(saved_sched)
+    assert len(opt_c.state) == len(opt_a.state) == 8  # every trainable parameter has state
+    _steps(a, opt_a, sch_a, 3, 1)
+    _steps(b, opt_c, sch_c, 3, 1)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_an_adamw_state_is_refused_by_muon_naming_the_fix():
+    model = Drafterish()
+    adamw = build_optimizer(model, OptimConfig(lr=LR))
+    with pytest.raises(ValueError, match="optim=muon"):
+        build_optimizer(model, MUON).load_state_dict(adamw.state_dict())
+
+
+def test_muon_under_fsdp_is_refused_naming_the_fix():
+    check_optimizer(MUON, fsdp=False)
+    check_optimizer(OptimConfig(), fsdp=True)
+    with pytest.raises(ConfigError, match="optim=muon is not supported with FSDP.*optim=adamw"):
+        check_optimizer(MUON, fsdp=True)

@@ -1,0 +1,136 @@
+"""The training step with the other loss members and optimizers: loss=dpace (both normalisations), loss=kl
+(online), optim=muon; exact accumulation, exact resume, and the offline refusal of a soft loss."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.errors import ConfigError
+from dflash.train import loop as training
+from dflash.train.loop import train
+from dflash.train.step import rescale_gradients
+from tests.train.test_loop import job_for, metrics
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("losses")
+
+
+def weights(run):
+    return load_file(run / "checkpoints/step-000002/train_state/weights_fp32.safetensors")
+
+
+def losses(run):
+    return [r["train/loss"] for r in metrics(run) if "train/loss" in r]
+
+
+@pytest.mark.parametrize("member", [
+    ("loss=dpace",), ("loss=dpace", "loss.normalize=weights"),
+    ("loss=kl", "train.mode=online"), ("loss=kl", "loss.kl_weights=dpace", "train.mode=online"),
+    ("optim=muon",)], ids=lambda m: "+".join(m))
+def test_two_micro_batches_equal_one_batch_of_both(workdir, member):
+    """The step's normaliser (valid anchors, or the D-PACE weight sum known only after the forwards) is the
+    whole step's: batch 2 equals batch 1 x grad_accum 2 (the losses logged and the weights)."""
+    tag = "-".join(m.split("=")[-1] for m in member)
+    common = ("train.max_steps=2", "train.save_every=2", "eval.every=0", *member)
+    one = train(job_for(workdir, f"one-{tag}", "train.batch_size=2", *common))
+    two = train(job_for(workdir, f"two-{tag}", "train.batch_size=1", "train.grad_accum=2", *common))
+    a, b = losses(one), losses(two)
+    assert len(a) == 2 and all(torch.isfinite(torch.tensor(a))) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    wa, wb = weights(one), weights(two)
+    # Muon orthogonalises in bfloat16 (torch's Newton-Schulz): float32-level gradient differences of another
+    # summation order can move an update by a bf16 rounding step of its lr (0.02), not 1e-5
+    tol = 2e-3 if "optim=muon" in member else 1e-5
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < tol
+
+
+def test_muon_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
+    common = ("train.max_steps=6", "train.save_every=3", "train.batch_size=2", "optim=muon", "loss=dpace")
+    full = train(job_for(workdir, "muon-full", *common))
+    original = training.save
+
+    def save_then_die(job, acc, m, run, state, *args):
+        original(job, acc, m, run, state, *args)
+        if state.step == 3:
+            raise KeyboardInterrupt("simulated preemption")
+
+    monkeypatch.setattr(training, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(job_for(workdir, "muon-cut", *common))
+    monkeypatch.setattr(training, "save", original)
+    resumed = train(job_for(workdir, "muon-cut", *common, "train.resume=latest"))
+    a = load_file(full / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
+    b = load_file(resumed / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    loss = lambda run: {r["step"]: r["train/loss"] for r in metrics(run) if "train/loss" in r}  # noqa: E731
+    assert loss(full) == loss(resumed)
+
+
+def test_a_soft_loss_on_a_cache_without_logits_is_refused(workdir):
+    with pytest.raises(ConfigError, match="loss=kl .*train.mode=online"):
+        train(job_for(workdir, "kl-offline", "loss=kl", "train.max_steps=1"))
+
+
+def test_weight_normalised_dpace_gradients_are_those_of_the_weight_mean():
+    """The backwards ran scaled by 1/anchors; rescaling makes the gradient d(loss_sum / sum of weights)."""
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    loss_sum = model(x).pow(2).sum()
+    (loss_sum / 5.0).backward()  # 5 valid anchors
+    w = [torch.tensor(2.0), torch.tensor(6.0)]
+    acc = SimpleNamespace(num_processes=1)
+    total = rescale_gradients(acc, model, torch.tensor(5.0, dtype=torch.float64), w)
+    expected = torch.autograd.grad(model(x).pow(2).sum() / 8.0, model.weight)[0]
+    assert total.item() == 8.0 and torch.allclose(model.weight.grad, expected)
+
+
+def test_offline_topk_kl_with_the_whole_vocabulary_equals_online_kl(workdir):
+    """A cache extracted with features.topk_logits = vocab (262 for the tiny target) holds the whole
+    distribution: offline KL trains as online KL does (float32 features, so the features agree too)."""
+    common = ("train.max_steps=3", "loss=kl", "features.storage=float32", "train.batch_size=2")
+    off = train(job_for(workdir, "kl-off", *common, "features.topk_logits=262",
+                        f"features.dir={workdir}/cache-top/features"))
+    on = train(job_for(workdir, "kl-on", *common, "train.mode=online", f"features.dir={workdir}/cache-top/features"))
+    a, b = losses(off), losses(on)
+    assert len(a) == 3 and all(abs(x - y) < 1e-4 for x, y in zip(a, b)), (a, b)
+
+
+def test_a_cache_with_another_k_is_refused_for_kl(workdir):
+    train(job_for(workdir, "kl16-make", "train.max_steps=1", "loss=kl", "features.topk_logits=16",
+                  f"features.dir={workdir}/cache-top16/features"))
+    with pytest.raises(ConfigError, match="features.topk_logits=8, but the feature cache .* stores the top 16"):
+        train(job_for(workdir, "kl8", "train.max_steps=1", "loss=kl", "features.topk_logits=8",
+                      f"features.dir={workdir}/cache-top16/features"))
+
+
+def test_offline_topk_kl_accumulates_exactly(workdir):
+    common = ("train.max_steps=2", "train.save_every=2", "loss=kl", "features.topk_logits=16",
+              f"features.dir={workdir}/cache-top16/features")
+    one = train(job_for(workdir, "kl16-one", "train.batch_size=2", *common))
+    two = train(job_for(workdir, "kl16-two", "train.batch_size=1", "train.grad_accum=2", *common))
+    a, b = losses(one), losses(two)
+    assert len(a) == 2 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    wa, wb = weights(one), weights(two)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("member", [("loss=dpace", "loss.normalize=weights"), ("loss=dpace",)],
+                         ids=["dpace-weights", "dpace-anchor"])
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_targets, member):
+    """The D-PACE normalisers are the whole step's over processes: the weight sum all_reduced after the
+    forwards (rescale_gradients), the valid anchors before them."""
+    from tests.train.test_distributed import launch
+    from tests.train.test_distributed import losses as run_losses
+
+    launch(tmp_path, 2, "train.batch_size=1", "train.grad_accum=2", "run.name=two", *member)
+    launch(tmp_path, 1, "train.batch_size=2", "train.grad_accum=2", "run.name=one", *member)
+    one, two = tmp_path / "runs/one", tmp_path / "runs/two"
+    a, b = run_losses(one), run_losses(two)
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    wa = load_file(one / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
+    wb = load_file(two / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
