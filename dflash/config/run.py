@@ -148,6 +148,14 @@ class EvalConfig:
     """Live mode sampling temperature (0 = greedy; >0 verifies by exact match of sampled tokens)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
+    suite: str | None = None
+    """Benchmarks to evaluate, each reported on its own: paper (the DFlash paper's nine), math, code, chat, coding
+    (builtin:eval_coding) or names joined by + (gsm8k+humaneval); null = eval.prompts alone (dflash.evaluate.suites). evaluate.py only:
+    the in-run evaluation stays on eval.prompts."""
+    benchmarks_dir: str | None = None
+    """Folder holding the suite's benchmark files (<name>.jsonl, <name>.parquet or a datasets folder <name>/)."""
+    references: str | None = None
+    """Published figures shown beside a suite's rows: a YAML file, or a name in conf/references/ (dflash_paper)."""
     plots: bool = True
     """Write PNG plots next to summary.json."""
     dtype: str = "auto"
@@ -162,6 +170,10 @@ class EvalConfig:
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
         one_of("eval.dtype", self.dtype, {"auto", "bfloat16", "float32"})
+        if self.suite is not None and not self.suite.strip():
+            raise ConfigError("eval.suite is empty: give a suite (paper, math, code, chat, coding) or null")
+        if self.references is not None and self.suite is None:
+            raise ConfigError("eval.references are shown per benchmark: set eval.suite too (e.g. eval.suite=paper)")
         for key in ("max_new_tokens", "completions_batch_size", "anchor_stride", "max_blocks", "max_prompts"):
             positive(f"eval.{key}", getattr(self, key))
         positive("eval.every", self.every, allow_zero=True)

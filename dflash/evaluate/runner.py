@@ -20,10 +20,11 @@ from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
 from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, NotFoundError
-from dflash.evaluate import heldout
+from dflash.evaluate import heldout, suites
 from dflash.evaluate.plots import save_plots
-from dflash.evaluate.summary import log_eval, print_summary, train_gap
+from dflash.evaluate.summary import log_eval, log_suite, print_suite, print_summary, reference_rows, train_gap
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
+from dflash.io import write_json
 from dflash.layout import RunLayout, step_name
 from dflash.locate import check_complete, checkpoint_step, resolve_checkpoint, training_manifest
 from dflash.provenance import check_trained_on, live_features
@@ -79,26 +80,28 @@ def find_run(job: JobConfig, checkpoint: str) -> RunLayout | None:
     return latest_run(root)
 
 
-def evaluation_target(job: JobConfig, layer_sets: list[list[int]]):
+def evaluation_target(job: JobConfig, layer_sets: list[list[int]], jobs: list[JobConfig] | None = None):
     """The target as evaluation needs it. Teacher-forced evaluation from a complete held-out set uses
     only embed_tokens and lm_head: the decoder layers (54 GB for a 27B target) are never loaded, so a
     drafter is evaluated on a CPU box from features extracted on the GPU machine. Anything still to
-    extract, and live decoding, needs the whole model."""
+    extract, and live decoding, needs the whole model. `jobs`: one per held-out set (a suite's benchmarks)."""
     from dflash.target.loading import load_target
 
     if job.eval.mode == "teacher_forced":
         target = load_target(job.target, heads_only=True)
-        if target.model is None and all(heldout.is_ready(job, target, ids) for ids in layer_sets):
+        if target.model is None and all(heldout.is_ready(j, target, ids) for j in jobs or [job] for ids in layer_sets):
             log.info("held-out features are complete: the target's heads are all that is loaded")
             return target
     return load_target(job.target)
 
 
 def evaluate(job: JobConfig) -> dict:
-    """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set."""
+    """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set, or on each
+    benchmark of eval.suite (`evaluate_suite`)."""
     from dflash.dist import current
 
     setup_logging()
+    benches = suites.benchmark_jobs(job)  # a suite's files are found (or missing ones named) before anything loads
     run = find_run(job, job.checkpoint)
     path = resolve_checkpoint(run, job.checkpoint)
     check_complete(path)
@@ -106,44 +109,91 @@ def evaluate(job: JobConfig) -> dict:
     drafters = {f"step{step}" if step is not None else path.name: (path, load_drafter(str(path)).float())}
     for ref in job.eval.compare:
         drafters[Path(ref).name] = (Path(ref), load_drafter(ref).float())
-    target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()])
+    target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()], list(benches.values()))
     dtype = eval_dtype(job, target)
     for label, (p, d) in drafters.items():
         check_fits(d, target, source=f"drafter {p}")
         d.to(target.device, dtype)
     dist = current(job.train.collective_timeout_minutes)
-    summaries, extra = {}, {"checkpoint": str(path), "step": step, "mode": job.eval.mode,
-                            "dtype": str(dtype).removeprefix("torch.")}
+    extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch.")}
     allowed = extra.setdefault("provenance_allowed", {})
+    first = next(iter(drafters))
+    name = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "")
+    main_out = RunLayout(run.path if run is not None else Path(job.run.root)).eval_dir(name)
+    outs = {label: main_out if label == first else main_out / "compare" / label for label in drafters}
+    logged = run is not None and step is not None and training_manifest(path) is not None
+    if job.eval.suite is not None:
+        return evaluate_suite(job, benches, drafters, target, dist, extra, outs, run, step, logged)
+    summaries = {}
     for label, (p, drafter) in drafters.items():
-        trained_on = training_manifest(p)
-        if job.eval.mode == "live":
-            from dflash.evaluate.live import live_eval
-
-            allowed[label] = check_trained_on(trained_on, live_features(target, drafter.target_layer_ids),
-                                              job.provenance.allow_mismatch, label, "the live target's features", p)
-            records, summary = live_eval(job, drafter, target)
-        else:
-            heldout.prepare(job, target, drafter.target_layer_ids, dist)
-            eval_set = heldout.load(job, target, drafter.target_layer_ids)
-            allowed[label] = check_trained_on(trained_on, eval_set.manifest, job.provenance.allow_mismatch, label,
-                                              "the held-out features", p)
-            records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
-            summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
-            if label == next(iter(drafters)) and step is not None:
-                summary["metrics"].update(train_gap(run, step, summary["metrics"]))
+        records, summary = score(job, label, p, drafter, target, dist, allowed)
+        if label == first and step is not None and job.eval.mode != "live":
+            summary["metrics"].update(train_gap(run, step, summary["metrics"]))
         summaries[label] = summary
-        if label == next(iter(drafters)):
-            name = (step_name(step) if step is not None else p.name) + ("-live" if job.eval.mode == "live" else "")
-            main_out = RunLayout(run.path if run is not None else Path(job.run.root)).eval_dir(name)
-            write_outputs(main_out, records, summary, extra)
-        else:
-            write_outputs(main_out / "compare" / label, records, summary, extra)
+        write_outputs(outs[label], records, summary, extra)
     images = save_plots(main_out, summaries) if job.eval.plots else {}
     print_summary(summaries, job.eval.mode)
-    if run is not None and step is not None and training_manifest(path) is not None:
+    if logged:
         logger = RunLogger(run, job.logger, job, job_type="eval")
-        log_eval(logger, next(iter(summaries.values())), step, images)
+        log_eval(logger, summaries[first], step, images)
         logger.finish()
     log.info("evaluation written to %s", main_out)
-    return next(iter(summaries.values()))["metrics"]
+    return summaries[first]["metrics"]
+
+
+def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed: dict) -> tuple[list[dict], dict]:
+    """One drafter on job.eval.prompts: (records, summary), live or teacher-forced, after checking the features
+    against what it was trained on (the fields allowed to differ go to allowed[label])."""
+    trained_on = training_manifest(path)
+    if job.eval.mode == "live":
+        from dflash.evaluate.live import live_eval
+
+        allowed[label] = check_trained_on(trained_on, live_features(target, drafter.target_layer_ids),
+                                          job.provenance.allow_mismatch, label, "the live target's features", path)
+        return live_eval(job, drafter, target)
+    heldout.prepare(job, target, drafter.target_layer_ids, dist)
+    eval_set = heldout.load(job, target, drafter.target_layer_ids)
+    allowed[label] = check_trained_on(trained_on, eval_set.manifest, job.provenance.allow_mismatch, label,
+                                      "the held-out features", path)
+    records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
+    return records, summarize(records, drafter.block_size, job.eval.ddtree_budgets)
+
+
+def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict, target, dist, extra: dict,
+                   outs: dict[str, Path], run: RunLayout | None, step: int | None, logged: bool) -> dict:
+    """Every drafter on every benchmark of eval.suite, each benchmark its own held-out set: per benchmark
+    <out>/<bench>/ (summary.json, blocks.jsonl, plots), and <out>/summary.json with eval/<bench>/*, the mean over
+    benchmarks (eval/<suite>/*), every prompt's tau, the references beside them and the train/eval gap; logged
+    to the training run's W&B run when `logged`."""
+    first = next(iter(drafters))
+    for label in drafters:  # opens the folders: an earlier evaluation there is kept under a dated name
+        write_outputs(outs[label], [], {"suite": job.eval.suite, "complete": False}, extra)
+    per: dict[str, dict[str, dict]] = {label: {} for label in drafters}
+    for bench, bjob in benches.items():
+        log.info("benchmark %s: %s", bench, bjob.eval.prompts)
+        for label, (p, drafter) in drafters.items():
+            records, summary = score(bjob, label, p, drafter, target, dist, extra["provenance_allowed"])
+            if summary.get("mode") == "live":
+                summary["per_prompt"] = suites.live_per_prompt(records)
+            write_outputs(outs[label] / bench, records, summary, {**extra, "benchmark": bench,
+                                                                  "prompts": bjob.eval.prompts})
+            per[label][bench] = summary
+        if job.eval.plots:
+            save_plots(outs[first] / bench, {label: per[label][bench] for label in drafters})
+    block_size = drafters[first][1].block_size
+    refs = [{**r, "differs": suites.setting_differences(r, job, block_size)} for r in suites.load_references(job.eval.references)]
+    results = {}
+    for label in drafters:
+        result = suites.combine(job.eval.suite, per[label])
+        result["references"] = reference_rows(refs, result["benchmarks"])
+        if label == first and step is not None and job.eval.mode != "live":
+            result["metrics"].update(train_gap(run, step, suites.mean_metrics(result)))
+        write_json(outs[label] / "summary.json", {**result, **extra})
+        results[label] = result
+    print_suite(results, job.eval.mode)
+    if logged:
+        logger = RunLogger(run, job.logger, job, job_type="eval")
+        log_suite(logger, results[first], step)
+        logger.finish()
+    log.info("evaluation written to %s", outs[first])
+    return results[first]["metrics"]

@@ -104,3 +104,79 @@ def print_table(rows: list[list], header: list[str], out=None) -> None:
         out.write("  ".join(c.rjust(w) if n and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + "\n")
         if n == 0:
             out.write("  ".join("-" * w for w in widths) + "\n")
+
+
+def reference_rows(references: list[dict], benchmarks: list[str]) -> list[dict]:
+    """Published figures for a suite: each reference's tau on this suite's benchmarks, the mean over those it
+    has (`covers` of them; a paper-style mean only when it covers all), its source and where its settings
+    differ from this evaluation (`differs`, from dflash.evaluate.suites.setting_differences)."""
+    rows = []
+    for ref in references:
+        tau = {b: float(v) for b, v in (ref.get("tau") or {}).items() if b in benchmarks}
+        rows.append({"name": ref["name"], "source": ref["source"], "differs": ref.get("differs", []), "tau": tau,
+                     "covers": len(tau), "mean": sum(tau.values()) / len(tau) if tau else None})
+    return rows
+
+
+def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None, top: int = 3) -> None:
+    """Per benchmark, a row per drafter and a row per reference (published tau, `*` where its settings differ),
+    then the mean over benchmarks (paper style: each benchmark weighs the same); then each drafter's best and
+    worst prompts by tau, and the train/eval gap on the suite mean."""
+    from dflash.evaluate.suites import mean_metrics
+
+    out = out or sys.stdout
+    first = next(iter(suites.values()))
+    suite, benches, budgets = first["suite"], first["benchmarks"], first["ddtree_budgets"]
+    refs = first.get("references", [])
+    if mode == "live":
+        header = ["benchmark", "drafter", "tau", "tok/forward", "tok/verify", "speedup", "prompts"]
+        keys = ["live_tau", "live_tokens_per_forward", "live_tokens_per_verify", "live_speedup", "live_prompts"]
+    else:
+        header = ["benchmark", "drafter", "tau", "full", "tau_all", "acc@1", *[f"ddtree@{n}" for n in budgets],
+                  "blocks", "prompts"]
+        keys = ["tau", "full", "tau_all_anchors", "acc@1", *[f"ddtree@{n}" for n in budgets], "blocks", "prompts"]
+    blank = ["-"] * (len(keys) - 1)
+    rows = []
+    for bench in [*benches, "mean"]:
+        name = bench if bench != "mean" else f"mean ({len(benches)})"
+        for label, s in suites.items():
+            m = s["metrics"]
+            rows.append([name, label, *[m.get(f"eval/{bench}/{k}", "-") for k in keys]])
+        for ref in refs:
+            label = ref["name"] + (" *" if ref["differs"] else "")
+            if bench != "mean":
+                rows.append([name, label, ref["tau"].get(bench, "-"), *blank])
+            elif ref["mean"] is not None:
+                cover = "" if ref["covers"] == len(benches) else f" ({ref['covers']} of {len(benches)})"
+                rows.append([name, label + cover, ref["mean"], *blank])
+    print_table(rows, header, out)
+    for ref in refs:
+        differs = f"; settings differ: {', '.join(ref['differs'])}" if ref["differs"] else ""
+        out.write(f"{ref['name']}{' *' if ref['differs'] else ''}: {ref['source']}{differs}\n")
+    for label, s in suites.items():
+        prompts = s.get("prompts", [])
+        if prompts:
+            def show(ps):
+                return ", ".join(f"{p['benchmark']}/{p['prompt_id']} {p['tau']:.2f} ({p['blocks']} blocks)" for p in ps)
+            out.write(f"{label}: best prompts {show(prompts[:top])}; worst {show(prompts[::-1][:top])}\n")
+        if mode != "live":
+            print_gap(f"{label} ({suite} mean)", {**mean_metrics(s), **s["metrics"]}, out)
+
+
+def log_suite(logger, suite: dict, step: int) -> None:
+    """A suite's eval/<bench>/* and eval/mean/* scalars at the checkpoint's step, and in W&B its tables:
+    eval/prompts (every prompt: benchmark, id, tau, blocks), eval/benchmarks (tau per benchmark beside the
+    references'). The run's best eval/tau is left to the single-set evaluations (another set of prompts)."""
+    logger.log(suite["metrics"], step)
+    if logger.wandb is None:
+        return
+    import wandb
+
+    m = suite["metrics"]
+    tau = "live_tau" if suite.get("mode") == "live" else "tau"
+    cols = ["benchmark", "prompt_id", "tau", "blocks", "tau_all_anchors"]
+    prompts = wandb.Table(columns=cols, data=[[p.get(c) for c in cols] for p in suite["prompts"]])
+    refs = suite.get("references", [])
+    bench = wandb.Table(columns=["benchmark", "tau", *[r["name"] for r in refs]],
+                        data=[[b, m[f"eval/{b}/{tau}"], *[r["tau"].get(b) for r in refs]] for b in suite["benchmarks"]])
+    logger.log_media({"eval/prompts": prompts, "eval/benchmarks": bench}, step)

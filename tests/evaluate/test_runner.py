@@ -346,3 +346,87 @@ def test_eval_dtype_is_the_targets_unless_asked_and_is_recorded(trained):
     assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "bfloat16"
     assert bf16["eval/blocks_all_anchors"] == auto["eval/blocks_all_anchors"]
     assert abs(bf16["eval/tau_all_anchors"] - auto["eval/tau_all_anchors"]) < 0.25
+
+
+def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained, tmp_path, capsys, fake_wandb):
+    """eval.suite on small files of every format (jsonl, parquet, a datasets folder): per-benchmark rows and
+    outputs, the mean over benchmarks, best and worst prompts, reference rows marked where settings differ, and
+    the same in the training run's W&B run."""
+    from tests.evaluate.test_suites import write_benchmarks
+
+    tmp, run = trained
+    copy = tmp / "runs" / "r1suite"
+    shutil.copytree(run, copy)
+    write_benchmarks(tmp_path / "bench")
+    refs = tmp_path / "refs.yaml"
+    refs.write_text("references:\n"
+                    "  - {name: published, source: a model card, target: Qwen/Qwen3-8B, thinking: false, block_size: 8,"
+                    " tau: {gsm8k: 6.5, humaneval: 5.5, mt_bench: 3.5}}\n"
+                    "  - {name: same-setup, source: a paper table, target: tiny_qwen3, block_size: 8, tau: {gsm8k: 2.0}}\n")
+    other = tmp_path / "other_drafter"  # an eval.compare drafter, side by side on every benchmark
+    shutil.copytree(run / "checkpoints" / "step-000002", other, ignore=shutil.ignore_patterns("train_state"))
+    metrics = evaluate(eval_job(tmp, "run.name=r1suite", "checkpoint=step4", "logger=wandb_offline",
+                                "eval.suite=gsm8k+humaneval+mt_bench", f"eval.benchmarks_dir={tmp_path}/bench",
+                                f"eval.references={refs}", f"eval.compare=[{other}]"))
+    benches = ["gsm8k", "humaneval", "mt_bench"]
+    out = copy / "eval" / "step-000004"
+    summary = json.loads((out / "summary.json").read_text())
+    for b in benches:
+        one = json.loads((out / b / "summary.json").read_text())
+        assert one["benchmark"] == b and one["metrics"]["eval/prompts"] == 2
+        assert metrics[f"eval/{b}/tau"] == one["metrics"]["eval/tau"] >= 1.0  # the walk, as decoding sees it
+        assert (out / b / "blocks.jsonl").exists() and (out / b / "tau_histogram.png").exists()
+        anchors = [json.loads(x)["anchor"] for x in (out / b / "blocks.jsonl").read_text().splitlines()]
+        theirs = out / "compare" / "other_drafter" / b / "blocks.jsonl"
+        assert anchors == [json.loads(x)["anchor"] for x in theirs.read_text().splitlines()]
+    compared = json.loads((out / "compare" / "other_drafter" / "summary.json").read_text())
+    assert compared["benchmarks"] == benches and "eval/gap_tau" not in compared["metrics"]
+    assert metrics["eval/mean/tau"] == pytest.approx(sum(metrics[f"eval/{b}/tau"] for b in benches) / 3)
+    assert metrics["eval/mean/tau_all_anchors"] == pytest.approx(
+        sum(metrics[f"eval/{b}/tau_all_anchors"] for b in benches) / 3)
+    assert summary["metrics"] == metrics and summary["benchmarks"] == benches
+    assert metrics["eval/gap_tau"] == pytest.approx(metrics["eval/mean/tau_all_anchors"] / metrics["eval/train_tau"])
+    prompts = summary["prompts"]
+    assert len(prompts) == 6 and [p["tau"] for p in prompts] == sorted((p["tau"] for p in prompts), reverse=True)
+    assert {p["benchmark"] for p in prompts} == set(benches) and "HumanEval/0" in {p["prompt_id"] for p in prompts}
+    [published, same] = summary["references"]
+    assert published["differs"] == [f"target Qwen/Qwen3-8B (ours {compose_target_path()})"] and same["differs"] == []
+    assert published["mean"] == pytest.approx((6.5 + 5.5 + 3.5) / 3) and same["covers"] == 1
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert any(line.startswith("gsm8k") and "step4" in line for line in lines)
+    assert any(line.startswith("gsm8k") and "other_drafter" in line for line in lines)
+    assert any(line.startswith("mean (3)") and "other_drafter" in line for line in lines)
+    assert any(line.startswith("humaneval") and "published *" in line and "5.500" in line for line in lines)
+    assert any(line.startswith("mean (3)") and "step4" in line and f"{metrics['eval/mean/tau']:.3f}" in line
+               for line in lines)
+    assert any(line.startswith("mean (3)") and "same-setup (1 of 3)" in line for line in lines)
+    assert "published *: a model card; settings differ: target Qwen/Qwen3-8B" in printed
+    best, worst = prompts[0], prompts[-1]
+    assert f"best prompts {best['benchmark']}/{best['prompt_id']} {best['tau']:.2f}" in printed
+    assert f"worst {worst['benchmark']}/{worst['prompt_id']} {worst['tau']:.2f}" in printed
+    assert "step4 (gsm8k+humaneval+mt_bench mean): held-out every-anchor tau" in printed
+    eval_run = fake_wandb["runs"][-1]
+    [scalars] = [d for d in eval_run.logged if "eval/gsm8k/tau" in d]
+    assert scalars["train/step"] == 4 and scalars["eval/mean/tau"] == metrics["eval/mean/tau"]
+    assert "eval/tau" not in scalars and eval_run.summary == {}  # the best single-set tau is not this suite's mean
+    [tables] = [d for d in eval_run.logged if "eval/prompts" in d]
+    assert len(tables["eval/prompts"].data) == 6 and tables["eval/prompts"].columns[:3] == ["benchmark", "prompt_id", "tau"]
+    assert [row[0] for row in tables["eval/benchmarks"].data] == benches
+    assert tables["eval/benchmarks"].data[1][2] == 5.5  # the published figure beside ours
+
+
+def compose_target_path() -> str:
+    return compose("evaluate", ["debug=tiny"]).target.path
+
+
+def test_a_suite_in_live_mode_reports_tokens_per_forward_per_benchmark(trained, tmp_path, capsys):
+    tmp, run = trained
+    metrics = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval=live", "eval.max_new_tokens=8",
+                                "eval.ddtree_budgets=[]", "eval.suite=coding", "eval.max_prompts=2"))
+    assert metrics["eval/coding/live_tokens"] == 16 and metrics["eval/mean/live_tau"] == metrics["eval/coding/live_tau"]
+    assert metrics["eval/mean/live_tokens_per_forward"] == metrics["eval/coding/live_tokens_per_forward"]
+    summary = json.loads((run / "eval" / "step-000004-live" / "summary.json").read_text())
+    assert len(summary["prompts"]) == 2 and all(p["blocks"] >= 1 for p in summary["prompts"])
+    printed = capsys.readouterr().out
+    assert "tok/forward" in printed and any(line.startswith("coding") for line in printed.splitlines())
