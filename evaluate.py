@@ -5,6 +5,8 @@
     python evaluate.py checkpoint=best eval=live       # real speculative decoding, lossless check
     python evaluate.py checkpoint=/path/to/z-lab/drafter target=qwen3_8b
     python evaluate.py checkpoint=latest eval.compare=[/path/to/reference/drafter]
+    python evaluate.py checkpoint=best eval=paper eval.benchmarks_dir=/data/benchmarks   # per benchmark
+    python evaluate.py checkpoint=best eval.dtype=float32   # default: the target's dtype, as servers run it
 """
 
 import hydra
