@@ -9,7 +9,7 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   LOADER_THREADS tensors in flight (the largest ones bound it); the files' pages sit in the page cache,
   shared by every process of the node reading them and reclaimable, up to the checkpoint's size. Offline
   training reads only embed_tokens and lm_head; extraction loads the target as online training does.
-- GPU-hours: the drafter's model FLOPs of a sequence as bench/gpu.py's `train_flops` counts them (what its
+- GPU-hours: the drafter's model FLOPs of a sequence as bench/flops.py's `train_flops` counts them (what its
   MFU is measured against), plus, with gradient checkpointing, the layers' forward again; the target's
   forward is 2 FLOPs per non-embedding parameter per token (attention's share is ignored: ~1%), once per
   sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: the median
@@ -112,7 +112,7 @@ def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int, checkpointi
 
     import torch
 
-    from bench.gpu import train_flops
+    from bench.flops import train_flops
     from dflash.drafter.blocks import pack_blocks
 
     n = max(1, min(num_anchors, tokens - 1))

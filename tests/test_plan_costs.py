@@ -70,9 +70,9 @@ def test_the_loading_bound_holds_a_measured_load(tmp_path):
 
 def test_gpu_hours_are_tokens_times_flops_at_the_mfu():
     """Offline: one target forward a sequence (extraction) and the drafter's steps; online: the target's
-    forward every epoch. The drafter's FLOPs are bench/gpu.py's train_flops (what its MFU is measured
+    forward every epoch. The drafter's FLOPs are bench/flops.py's train_flops (what its MFU is measured
     against); checkpointing adds the layers' forward once more."""
-    from bench.gpu import train_flops
+    from bench.flops import train_flops
     from dflash.drafter.blocks import pack_blocks
 
     job = plan.compose(["experiment=qwen3_6_27b", "train.gradient_checkpointing=false"])
