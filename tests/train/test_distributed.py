@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,15 +44,22 @@ def losses(run):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_targets):
-    launch(tmp_path, 2, "train.batch_size=1", "train.grad_accum=2", "run.name=two")  # global batch 4
-    launch(tmp_path, 1, "train.batch_size=2", "train.grad_accum=2", "run.name=one")
+def two_processes_match_one(tmp_path, *overrides: str) -> tuple[Path, Path]:
+    """Launch 2 processes of batch 1 and 1 process of batch 2 (grad_accum 2: global batch 4 either way) and
+    check that their 6 losses and final float32 weights agree within 1e-5; returns (one, two) run folders."""
+    launch(tmp_path, 2, "train.batch_size=1", "train.grad_accum=2", "run.name=two", *overrides)
+    launch(tmp_path, 1, "train.batch_size=2", "train.grad_accum=2", "run.name=one", *overrides)
     one, two = tmp_path / "runs/one", tmp_path / "runs/two"
     a, b = losses(one), losses(two)
     assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
     wa = load_file(one / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
     wb = load_file(two / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    return one, two
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_targets):
+    _, two = two_processes_match_one(tmp_path)
     assert json.loads((two / "checkpoints/step-000006/train_state/state.json").read_text())["world_size"] == 2
 
 

@@ -8,10 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.errors import ConfigError
-from dflash.train import loop as training
 from dflash.train.loop import train
 from dflash.train.step import rescale_gradients
-from tests.train.test_loop import job_for, metrics
+from tests.train.test_loop import assert_resume_reproduces, job_for, metrics
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +47,8 @@ def test_two_micro_batches_equal_one_batch_of_both(workdir, member):
 
 
 def test_muon_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
-    common = ("train.max_steps=6", "train.save_every=3", "train.batch_size=2", "optim=muon", "loss=dpace")
-    full = train(job_for(workdir, "muon-full", *common))
-    original = training.save
-
-    def save_then_die(job, acc, m, run, state, *args):
-        original(job, acc, m, run, state, *args)
-        if state.step == 3:
-            raise KeyboardInterrupt("simulated preemption")
-
-    monkeypatch.setattr(training, "save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train(job_for(workdir, "muon-cut", *common))
-    monkeypatch.setattr(training, "save", original)
-    resumed = train(job_for(workdir, "muon-cut", *common, "train.resume=latest"))
-    a = load_file(full / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
-    b = load_file(resumed / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    loss = lambda run: {r["step"]: r["train/loss"] for r in metrics(run) if "train/loss" in r}  # noqa: E731
-    assert loss(full) == loss(resumed)
+    assert_resume_reproduces(workdir, monkeypatch, "muon", ("train.max_steps=6", "train.save_every=3",
+                             "train.batch_size=2", "optim=muon", "loss=dpace"), steps=6, cut=3)
 
 
 def test_a_soft_loss_on_a_cache_without_logits_is_refused(workdir):
@@ -123,14 +105,6 @@ def test_offline_topk_kl_accumulates_exactly(workdir):
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny_targets, member):
     """The D-PACE normalisers are the whole step's over processes: the weight sum all_reduced after the
     forwards (rescale_gradients), the valid anchors before them."""
-    from tests.train.test_distributed import launch
-    from tests.train.test_distributed import losses as run_losses
+    from tests.train.test_distributed import two_processes_match_one
 
-    launch(tmp_path, 2, "train.batch_size=1", "train.grad_accum=2", "run.name=two", *member)
-    launch(tmp_path, 1, "train.batch_size=2", "train.grad_accum=2", "run.name=one", *member)
-    one, two = tmp_path / "runs/one", tmp_path / "runs/two"
-    a, b = run_losses(one), run_losses(two)
-    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
-    wa = load_file(one / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
-    wb = load_file(two / "checkpoints/step-000006/train_state/weights_fp32.safetensors")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    two_processes_match_one(tmp_path, *member)
