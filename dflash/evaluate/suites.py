@@ -205,7 +205,7 @@ def live_per_prompt(records: list[dict]) -> dict[str, dict]:
 
 
 MEAN_KEYS = ("tau", "tau_macro", "full", "tau_all_anchors", "full_all_anchors", "live_tau",
-             "live_tokens_per_forward", "live_tokens_per_verify", "live_speedup")
+             "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost", "live_speedup")
 
 
 def combine(suite: str, summaries: dict[str, dict]) -> dict:
@@ -223,7 +223,8 @@ def combine(suite: str, summaries: dict[str, dict]) -> dict:
     first = next(iter(summaries.values()))
     keys = [k for k in first["metrics"] if k.removeprefix("eval/") in MEAN_KEYS or k.startswith(("eval/acc@", "eval/ddtree@"))
             and "live" not in k]
-    for k in keys + [k for k in first["metrics"] if k.startswith("eval/live_ddtree@") and k.endswith("_tau")]:
+    for k in keys + [k for k in first["metrics"] if k.startswith("eval/live_ddtree@")
+                     and k.endswith(("_tau", "_tokens_per_forward", "_verify_cost"))]:
         values = [s["metrics"][k] for s in summaries.values() if k in s["metrics"]]
         metrics[f"eval/mean/{k.removeprefix('eval/')}"] = sum(values) / len(values)
     metrics["eval/mean/benchmarks"] = len(summaries)
@@ -247,7 +248,7 @@ REFERENCES = Path(__file__).resolve().parents[2] / "conf" / "references"
 def load_references(spec: str | None) -> list[dict]:
     """Published figures to show beside ours: eval.references, a YAML file or the name of one shipped in
     conf/references/. Each entry: name, source (paper table or model card), target, thinking, block_size,
-    and `tau` per benchmark name ({gsm8k: 6.5, ...}); settings not given are not compared."""
+    temperature, and `tau` per benchmark name ({gsm8k: 6.5, ...}); settings not given are not compared."""
     if spec is None:
         return []
     path = Path(spec).expanduser()
@@ -272,7 +273,8 @@ def load_references(spec: str | None) -> list[dict]:
 
 def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]:
     """The settings where a reference was measured differently from this evaluation (target, thinking,
-    block size), each as 'what: theirs (ours ...)'; settings the reference leaves out are not compared."""
+    block size, temperature), each as 'what: theirs (ours ...)'; settings the reference leaves out are not
+    compared."""
     out = []
     target = ref.get("target")
     ours = {job.target.name.lower(), job.target.path.lower(), Path(job.target.path).name.lower()}
@@ -282,4 +284,6 @@ def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]
         out.append(f"thinking {'on' if ref['thinking'] else 'off'} (ours {'on' if job.data.enable_thinking else 'off'})")
     if ref.get("block_size") is not None and int(ref["block_size"]) != block_size:
         out.append(f"block size {ref['block_size']} (ours {block_size})")
+    if ref.get("temperature") is not None and float(ref["temperature"]) != job.eval.temperature:
+        out.append(f"temperature {ref['temperature']} (ours {job.eval.temperature})")
     return out
