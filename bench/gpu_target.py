@@ -189,7 +189,7 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                 ids = torch.tensor([encode(target.tokenizer, text)], device=device)
                 plain = greedy_generate(target, ids, new_tokens)[0].tolist()
                 oracle = OracleDrafter(target, plain, block_size=8, wrong=miss).to(device).eval()
-                budgets = [None] if target.is_hybrid else [None, 8]
+                budgets = [None, 8]  # chain, and a DDTree of 8 nodes (hybrid: a batch of its paths)
                 for kind, drafter in (("oracle", oracle), ("random", real)):
                     for budget in budgets:
                         res = speculative_generate(drafter, target, ids, new_tokens, tree_budget=budget)
@@ -198,7 +198,9 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                         out["runs"].append({"target": name, "kernels": target.kernels, "dtype": dtype,
                                             "prompt": prompt.id, "drafter": kind, "tree_budget": budget,
                                             "identical": div is None, "divergence": div,
-                                            "tau": round(sum(taus) / len(taus), 3), "replays": res.replays})
+                                            "tau": round(sum(taus) / len(taus), 3),
+                                            "tokens_per_forward": round((len(res.output_ids[0]) - ids.shape[1]) / res.target_forwards, 3),
+                                            "verify_tokens": res.verify_tokens})
     if tmp is not None:
         tmp.cleanup()
     return out

@@ -389,7 +389,8 @@ def test_extraction_kernels_run_at_the_real_head_dims_on_cpu():
 def _run(dtype, drafter="oracle", margin=None, target="toy"):
     div = None if margin is None else {"at": 7, "plain": [11], "spec": [12], "lengths": [32, 32], "margin": margin}
     return {"target": target, "kernels": {}, "dtype": dtype, "prompt": "p", "drafter": drafter, "tree_budget": None,
-            "identical": div is None, "divergence": div, "tau": 3.0, "replays": 0}
+            "identical": div is None, "divergence": div, "tau": 3.0, "tokens_per_forward": 2.5,
+            "verify_tokens": 90}
 
 
 def test_lossless_is_exact_in_float32_and_bf16_divergences_are_listed_with_margins():

@@ -18,7 +18,7 @@ class TargetConfig:
     path: str = MISSING
     """Hugging Face model id or local directory of the target."""
     build: str | None = None
-    """Built-in target recipe (tiny_qwen3, tiny_qwen3_5, toy): built into `path` on first use."""
+    """Built-in target recipe (tiny_qwen3, tiny_qwen3_sliding, tiny_qwen3_5, toy): built into `path` on first use."""
     mask_token_id: int = MISSING
     """Token id fed at every masked block slot (an embedding row of the target)."""
     num_layers: int | None = None
@@ -40,7 +40,7 @@ class TargetConfig:
         one_of("target.dtype", self.dtype, {"float32", "bfloat16", "float16"})
         positive("target.num_layers", self.num_layers)
         if self.build is not None:
-            one_of("target.build", self.build, {"tiny_qwen3", "tiny_qwen3_5", "toy"})
+            one_of("target.build", self.build, {"tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5", "toy"})
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError(f"target.device={self.device!r}: use auto, cpu, cuda or cuda:N")
 

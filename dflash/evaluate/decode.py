@@ -1,12 +1,12 @@
 """Live speculative decoding with a DFlash drafter: the target in the loop.
 
 Each step drafts a block [x_p, d_1..d_{B-1}] from the context features of positions < p,
-verifies it with one target forward, commits the accepted drafts plus the target's bonus
-token, and feeds the new positions' features to the drafter's context cache. Target caches:
-attention layers are cropped to the committed length; linear-attention (Gated DeltaNet)
-layers cannot be cropped, so their states are snapshotted before verification and, when a
-draft is rejected, restored and the accepted tokens replayed. DDTree verification (a tree of
-drafts in one forward, ancestor-only attention) needs an attention-only target.
+verifies it (or the DDTree built from its distributions) with one target forward
+(dflash.evaluate.verify), commits the accepted drafts plus the target's bonus token, and feeds the
+new positions' features to the drafter's context cache. The target's cache then holds exactly the
+committed text: attention layers are cropped, linear-attention (Gated DeltaNet) layers take the
+states recorded at the last accepted position during verification (dflash.evaluate.states), so a
+hybrid target too needs one forward per block, no replay.
 
 Sampling (temperature > 0) draws the target's token at absolute position t from a generator
 seeded by (seed, t), so speculative and plain decoding make the same draws: the output must
@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.drafter.blocks import draft_block
-from dflash.drafter.ddtree import build_tree
+from dflash.drafter.ddtree import Tree, build_tree
+from dflash.evaluate.states import new_cache, settle
+from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
-from dflash.target.loading import Target, as_target
+from dflash.target.loading import as_target
 
 
 @dataclass
@@ -34,9 +36,11 @@ class SpecResult:
     """Tokens committed per verification step (accepted drafts + 1 bonus, none past a stop token), in [1, B];
     they sum to the generated tokens less the prefill's one."""
     target_forwards: int = 1
-    """Target forwards, the prompt's (prefill) included: 1 + verifications + replays (hybrid targets),
-    so generated tokens / target_forwards is 1.0 for plain decoding and for drafts never accepted."""
-    replays: int = 0
+    """Target forwards, the prompt's (prefill) included: 1 + verifications (hybrid targets too), so generated
+    tokens / target_forwards is 1.0 for plain decoding and for drafts never accepted."""
+    verify_tokens: int = 0
+    """Tokens the verification forwards processed: 1 + drafts per chain block, 1 + N per tree in one sequence,
+    paths x (1 + depth) per tree verified as a batch of paths (dflash.evaluate.verify)."""
     draft_tokens: list[list[int]] = field(default_factory=list)
 
 
@@ -56,82 +60,13 @@ def choose(logits: torch.Tensor, temperature: float, seed: int, first_position: 
     return torch.cat(out)
 
 
-def _new_cache(target: Target):
-    """A cache that can be rolled back exactly: attention layers keep every position, sliding-window
-    ones included (a sliding layer's own cache drops what falls out of the window, so a rejected
-    draft could not be undone; the window itself is applied by the model's mask, not the cache)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    cache = DynamicCache(config=target.config)
-    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
-                    for layer in cache.layers]
-    return cache
-
-
-def _linear_layers(cache) -> list:
-    return [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
-
-
-def _snapshot(cache) -> list[dict]:
-    """Copies of every linear-attention layer's conv/recurrent state (attention layers are cropped)."""
-    snap = []
-    for layer in _linear_layers(cache):
-        snap.append({attr: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in getattr(layer, attr).items()}
-                     for attr in ("conv_states", "recurrent_states", "has_previous_state")})
-    return snap
-
-
-def _restore(cache, snap: list[dict]) -> None:
-    for layer, saved in zip(_linear_layers(cache), snap):
-        for attr, values in saved.items():
-            setattr(layer, attr, dict(values))
-
-
-def _attention_layers(cache) -> list:
-    return [layer for layer in cache.layers if not hasattr(layer, "recurrent_states")]
-
-
-def _crop_attention(cache, length: int) -> None:
-    """Drop the attention KV of positions >= length, through the cache layers' own crop."""
-    for layer in _attention_layers(cache):
-        extra = layer.get_seq_length() - length
-        if extra > 0:
-            layer.crop(-extra)
-
-
-def _keep_attention(cache, keep: torch.Tensor) -> None:
-    """Keep only the KV entries at indices `keep` (the accepted path of a verified tree). Attention
-    layers are full DynamicLayers here (see _new_cache): keys and values are all they hold."""
-    for layer in _attention_layers(cache):
-        if layer.get_seq_length():
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
-
-
-def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, n+1, past+n+1] additive mask for verifying a tree rooted at position `past`: every
-    query sees the `past` cached positions, the root and its own ancestors, nothing else. Additive
-    (0 / dtype min), so eager attention masks it too (a boolean mask is added to its scores as 0/1)."""
-    n = len(parents)
-    seen = torch.zeros(n + 1, past + n + 1, dtype=torch.bool, device=device)
-    seen[:, : past + 1] = True  # the cache and the root x_p
-    for i in range(n):
-        j = i
-        while j != -1:
-            seen[i + 1, past + 1 + j] = True
-            j = parents[j]
-    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
 @torch.no_grad()
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                     seed: int = 0, stop_token_ids: list[int] | None = None) -> torch.Tensor:
     """Plain decoding, one token per target forward, through the same feature function."""
     target = as_target(target)
     stops = set(stop_token_ids or [])
-    cache = _new_cache(target)
+    cache = new_cache(target, recording=False)
     out = target_forward(target, input_ids, [], cache=cache, logits_to_keep=1)
     ids = input_ids[0].tolist()
     while True:
@@ -152,25 +87,28 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
     Target or any loaded HF causal LM. tree_budget: verify the DDTree of that many nodes
-    (attention-only targets; dflash.drafter.ddtree) instead of the single drafted path.
+    (dflash.drafter.ddtree) instead of the single drafted path, on any target: in one sequence under an
+    ancestor-only mask, or on hybrid targets as a batch of its paths (`Target.tree_verification`).
     """
     target = as_target(target)
-    refusal = target.tree_verification_refusal() if tree_budget is not None else None
-    if refusal:
-        raise ValueError(f"DDTree verification needs a target whose layers are all full attention: {refusal}. "
-                         f"Use tree_budget=None")
     drafter.eval()
     stops = set(stop_token_ids or [])
     layer_ids = drafter.target_layer_ids
     embed, head = target.embed_tokens, target.lm_head
-    cache, dcache = _new_cache(target), drafter.new_cache()
+    cache, dcache = new_cache(target, recording=target.is_hybrid), drafter.new_cache()
     prompt_len = input_ids.shape[1]
     out = target_forward(target, input_ids, layer_ids, cache=cache, logits_to_keep=1)
+    settle(cache)
     ids = input_ids[0].tolist()
     ids.append(int(choose(out.logits[0, -1:], temperature, seed, prompt_len)[0]))
     pending = out.features  # context features not yet in the drafter's cache (positions < p)
     result = SpecResult(output_ids=input_ids, acceptance_lengths=[])
     dtype = next(drafter.parameters()).dtype
+    verify_tree = verify_tree_sequence if target.tree_verification() == "sequence" else verify_tree_paths
+
+    def pick(logits: torch.Tensor, first_position: int) -> list[int]:
+        return choose(logits, temperature, seed, first_position).tolist()
+
     while len(ids) - prompt_len < max_new_tokens and ids[-1] not in stops:
         p = len(ids) - 1
         anchor_token = torch.tensor([ids[-1]], device=input_ids.device)
@@ -179,15 +117,15 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         room = max_new_tokens - (len(ids) - prompt_len)  # tokens still allowed, the bonus included
         if tree_budget is None:
             drafts = choose(logits, temperature, seed + 1, p + 1)[: room - 1].tolist() if room > 1 else []
-            accepted, bonus, features = _verify_path(target, layer_ids, cache, ids[-1], drafts, p, temperature, seed,
-                                                     result)
+            verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, pick)
         else:
-            accepted, bonus, features, drafts = _verify_tree(target, layer_ids, cache, ids[-1], logits, p,
-                                                             tree_budget, room, temperature, seed)
-            result.target_forwards += 1
+            tree, drafts = draft_tree(logits, tree_budget, room)
+            verdict = verify_tree(target, layer_ids, cache, ids[-1], tree, p, pick)
+        result.target_forwards += 1
+        result.verify_tokens += verdict.tokens
         result.draft_tokens.append(drafts)
-        ids.extend(accepted + [bonus])
-        pending = features
+        ids.extend(verdict.accepted + [verdict.bonus])
+        pending = verdict.features
         for i, t in enumerate(ids[p + 1:], start=p + 1):  # stop at the first stop token committed
             if t in stops:
                 del ids[i + 1:]
@@ -197,53 +135,11 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     return result
 
 
-def _verify_path(target, layer_ids, cache, anchor_token, drafts, p, temperature, seed, result):
-    """Verify [x_p, d_1..d_m] in one forward; leave the cache holding exactly positions <= p + accepted."""
-    snap = _snapshot(cache) if target.is_hybrid else None
-    block = torch.tensor([[anchor_token] + drafts], device=target.device)
-    out = target_forward(target, block, layer_ids, cache=cache, logits_to_keep=0)
-    result.target_forwards += 1
-    post = choose(out.logits[0], temperature, seed, p + 1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == post[a]:
-        a += 1
-    features = out.features[:, : a + 1]
-    if snap is not None and a < len(drafts):  # linear states saw rejected drafts: restore, replay the kept ones
-        _restore(cache, snap)
-        _crop_attention(cache, p)
-        replay = target_forward(target, block[:, : a + 1], layer_ids, cache=cache)
-        features = replay.features
-        result.target_forwards += 1
-        result.replays += 1
-    else:
-        _crop_attention(cache, p + a + 1)
-    return drafts[:a], post[a], features
-
-
-def _verify_tree(target, layer_ids, cache, anchor_token, logits, p, budget, room, temperature, seed):
-    """Verify the DDTree of `budget` nodes (dflash.drafter.ddtree), rooted at x_p, in one forward with an
-    ancestor-only mask (attention-only targets). Returns the drafted path (argmax per slot) as drafts."""
+def draft_tree(logits: torch.Tensor, budget: int, room: int) -> tuple[Tree, list[int]]:
+    """The DDTree of `budget` nodes from the drafter's per-slot logits [B-1, V], at most room - 1 deep, and the
+    drafted path (argmax per slot) it grew from."""
     depth = max(0, min(logits.shape[0], room - 1))
     logp = torch.log_softmax(logits[:depth], -1)
     top = logp.topk(min(max(budget, 1), logp.shape[-1]), dim=-1)
     tree = build_tree(top.indices.tolist(), top.values.tolist(), budget, max_depth=depth)
-    past = p  # cache holds positions < p
-    mask = tree_attention_mask(tree.parents, past, target.dtype, target.device)
-    tokens = torch.tensor([[anchor_token] + tree.tokens], device=target.device)
-    positions = torch.tensor([[p] + [p + d for d in tree.depths]], device=target.device)
-    out = target_forward(target, tokens, layer_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         logits_to_keep=0)
-    children = {(par, tok): i for i, (par, tok) in enumerate(zip(tree.parents, tree.tokens))}
-    node, path, accepted = -1, [0], []
-    while True:
-        choice = int(choose(out.logits[0, node + 1: node + 2], temperature, seed, p + 1 + len(accepted))[0])
-        nxt = children.get((node, choice))
-        if nxt is None:
-            bonus = choice
-            break
-        accepted.append(choice)
-        path.append(nxt + 1)
-        node = nxt
-    keep = torch.cat([torch.arange(past, device=target.device), past + torch.tensor(path, device=target.device)])
-    _keep_attention(cache, keep)
-    return accepted, bonus, out.features[:, path], logits[:depth].argmax(-1).tolist()  # the drafted path
+    return tree, logits[:depth].argmax(-1).tolist()

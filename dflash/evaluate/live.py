@@ -1,5 +1,13 @@
 """Live evaluation: real speculative decoding on the held-out prompts, checked against plain
-decoding of the target token for token, timed side by side."""
+decoding of the target token for token, timed side by side.
+
+Cost model, per verification (one target forward each, hybrid targets included: no replay):
+`tokens_per_forward` = generated tokens / target forwards (the prompt's included; plain decoding is 1.0),
+`tokens_per_verify` = generated tokens / verifications (tau, plus the prefill's token spread over the
+blocks), `verify_cost` = tokens the verification forward processes: 1 + drafts for the chain, 1 + N for a
+DDTree of N nodes in one sequence (attention-only targets), paths x (1 + depth) for a tree verified as a
+batch of its paths (hybrid targets), whose forward also holds one copy of the context's attention KV per
+path."""
 
 from __future__ import annotations
 
@@ -45,17 +53,16 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
 
 
 def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
-    """Per-step records and a summary of live decoding (DFlash blocks, and DDTree on attention-only targets)."""
+    """Per-step records and a summary of live decoding: the drafted chain and each DDTree budget, on every
+    target (hybrid ones verify a tree as a batch of its paths, dflash.evaluate.verify)."""
     cfg, data = job.eval, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
     stops = target.stop_token_ids()
-    refusal = target.tree_verification_refusal()
-    budgets = [None] + ([n for n in cfg.ddtree_budgets] if refusal is None else [])
-    if refusal and cfg.ddtree_budgets:
-        log.info("DDTree live verification is skipped for %s: %s", target.path, refusal)
-    records, totals = [], {b: {"tokens": 0, "forwards": 0, "verifies": 0, "time": 0.0, "taus": []} for b in budgets}
-    plain_time, ties = 0.0, 0
+    budgets = [None, *cfg.ddtree_budgets]
+    fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
+    totals = {b: {**dict.fromkeys(fields, 0), "taus": []} for b in budgets}
+    records, plain_time, ties = [], 0.0, 0
     progress = Progress(len(prompts), "live eval", "prompts")
     for n, prompt in enumerate(prompts):
         text = prompt_text(target.tokenizer, prompt, data.chat_template, data.enable_thinking)
@@ -70,28 +77,29 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             tot["time"] += time.perf_counter() - t0
             ties += not check_lossless(target, prompt.id, plain[0].tolist(), res.output_ids[0].tolist(),
                                        ids.shape[1], tie)
-            generated = res.output_ids.shape[1] - ids.shape[1]
-            tot["tokens"] += generated
+            tot["tokens"] += res.output_ids.shape[1] - ids.shape[1]
             tot["forwards"] += res.target_forwards
             tot["verifies"] += len(res.acceptance_lengths)
+            tot["verify_tokens"] += res.verify_tokens
             tot["taus"] += res.acceptance_lengths
             for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
                 records.append({"prompt_id": prompt.id, "tree_budget": budget, "step": step, "tau": tau,
                                 "draft_tokens": drafts})
         progress.update()
     progress.close()
-    base = totals[None]
-    metrics = {
-        "eval/live_tau": sum(base["taus"]) / max(1, len(base["taus"])),
-        "eval/live_tokens_per_forward": base["tokens"] / max(1, base["forwards"]),
-        "eval/live_tokens_per_verify": base["tokens"] / max(1, base["verifies"]),
-        "eval/live_speedup": plain_time / max(base["time"], 1e-9),
-        "eval/live_plain_s": plain_time, "eval/live_spec_s": base["time"],
-        "eval/live_prompts": len(prompts), "eval/live_tokens": base["tokens"], "eval/live_ties": ties,
-    }
-    for b in budgets[1:]:
-        metrics[f"eval/live_ddtree@{b}_tau"] = sum(totals[b]["taus"]) / max(1, len(totals[b]["taus"]))
-        metrics[f"eval/live_ddtree@{b}_speedup"] = plain_time / max(totals[b]["time"], 1e-9)
-    summary = {"metrics": metrics, "tau_histogram": tau_histogram(base["taus"], drafter.block_size),
-               "block_size": drafter.block_size, "ddtree_budgets": [b for b in budgets if b], "mode": "live"}
+    metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts), "eval/live_ties": ties,
+               "eval/live_tokens": totals[None]["tokens"]}
+    for budget, tot in totals.items():
+        prefix = "eval/live_" if budget is None else f"eval/live_ddtree@{budget}_"
+        metrics.update({
+            f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
+            f"{prefix}tokens_per_forward": tot["tokens"] / max(1, tot["forwards"]),
+            f"{prefix}tokens_per_verify": tot["tokens"] / max(1, tot["verifies"]),
+            f"{prefix}verify_cost": tot["verify_tokens"] / max(1, tot["verifies"]),
+            f"{prefix}speedup": plain_time / max(tot["time"], 1e-9),
+            f"{prefix}spec_s": tot["time"],
+        })
+    summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None]["taus"], drafter.block_size),
+               "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
+               "tree_verification": target.tree_verification()}
     return records, summary

@@ -72,16 +72,18 @@ def print_gap(label: str, m: dict, out=None) -> None:
 def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=None) -> None:
     """One row per drafter. Teacher-forced: tau over the decoding walk (micro, macro), the walk's share of
     blocks accepted in full, tau over every anchor (tau_all), acc@1, acc@B/2, acc@B-1 (every anchor),
-    ddtree@N over its own walk, the walk's blocks. Live: real tau, tokens per target forward and per
-    verification, wall-clock speedup over plain decoding."""
+    ddtree@N over its own walk, the walk's blocks. Live, a row per verifier (the chain, each DDTree budget):
+    real tau, tokens per target forward and per verification, tokens a verification processes (its cost),
+    wall-clock speedup over plain decoding."""
     first = next(iter(summaries.values()))
     B, budgets = first["block_size"], first["ddtree_budgets"]
     if mode == "live":
-        header = ["drafter", "tau", "tok/forward", "tok/verify", "speedup", *[f"ddtree@{n} tau" for n in budgets],
-                  "tokens"]
-        rows = [[label, m["eval/live_tau"], m["eval/live_tokens_per_forward"], m["eval/live_tokens_per_verify"],
-                 m["eval/live_speedup"], *[m[f"eval/live_ddtree@{n}_tau"] for n in budgets], m["eval/live_tokens"]]
-                for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
+        header = ["drafter", "verify", "tau", "tok/forward", "tok/verify", "cost/verify", "speedup", "tokens"]
+        rows = [[label, name, m[f"{prefix}tau"], m[f"{prefix}tokens_per_forward"], m[f"{prefix}tokens_per_verify"],
+                 m[f"{prefix}verify_cost"], m[f"{prefix}speedup"], m["eval/live_tokens"]]
+                for label, m in ((k, s["metrics"]) for k, s in summaries.items())
+                for name, prefix in [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_")
+                                                                 for n in budgets]]]
     else:
         mid = max(1, (B - 1) // 2)
         header = ["drafter", "tau", "tau_macro", "full", "tau_all", "acc@1", f"acc@{mid}", f"acc@{B - 1}",
@@ -129,8 +131,9 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
     suite, benches, budgets = first["suite"], first["benchmarks"], first["ddtree_budgets"]
     refs = first.get("references", [])
     if mode == "live":
-        header = ["benchmark", "drafter", "tau", "tok/forward", "tok/verify", "speedup", "prompts"]
-        keys = ["live_tau", "live_tokens_per_forward", "live_tokens_per_verify", "live_speedup", "live_prompts"]
+        header = ["benchmark", "drafter", "tau", "tok/forward", "tok/verify", "cost/verify", "speedup", "prompts"]
+        keys = ["live_tau", "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost", "live_speedup",
+                "live_prompts"]
     else:
         header = ["benchmark", "drafter", "tau", "full", "tau_all", "acc@1", *[f"ddtree@{n}" for n in budgets],
                   "blocks", "prompts"]

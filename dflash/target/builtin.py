@@ -24,6 +24,15 @@ def tiny_qwen3_config(vocab_size: int):
     )
 
 
+def tiny_qwen3_sliding_config(vocab_size: int):
+    """tiny_qwen3 with sliding-window layers (window 8) alternating with full-attention ones: prompts of a
+    few dozen tokens run past the window, as long contexts do on a real sliding-window target."""
+    config = tiny_qwen3_config(vocab_size)
+    config.layer_types = ["sliding_attention", "full_attention"] * (config.num_hidden_layers // 2)
+    config.sliding_window, config.use_sliding_window = 8, True
+    return config
+
+
 def tiny_qwen3_5_config(vocab_size: int):
     """Qwen3.5 text config: 3 Gated DeltaNet layers to 1 full-attention layer, 8 layers."""
     from transformers import Qwen3_5TextConfig
@@ -65,7 +74,7 @@ def is_current(name: str, dest: Path) -> bool:
 
 
 def build(name: str, dest: Path) -> None:
-    """Write target `name` (tiny_qwen3, tiny_qwen3_5, toy) into the empty directory `dest`."""
+    """Write target `name` (tiny_qwen3, tiny_qwen3_sliding, tiny_qwen3_5, toy) into the empty directory `dest`."""
     if name == "toy":
         from dflash.errors import NotFoundError
         from dflash.target.toy import SHIPPED, install_shipped
@@ -81,7 +90,8 @@ def build(name: str, dest: Path) -> None:
     from dflash.target.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = {"tiny_qwen3": tiny_qwen3_config, "tiny_qwen3_5": tiny_qwen3_5_config}[name](len(tokenizer))
+    config = {"tiny_qwen3": tiny_qwen3_config, "tiny_qwen3_sliding": tiny_qwen3_sliding_config,
+              "tiny_qwen3_5": tiny_qwen3_5_config}[name](len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(TINY_SEED)

@@ -77,16 +77,13 @@ class Target:
     def is_hybrid(self) -> bool:
         return "linear_attention" in self.layer_types
 
-    def tree_verification_refusal(self) -> str | None:
-        """Why this target cannot verify a DDTree in one forward (None when it can)."""
-        if self.is_hybrid:
-            return "its linear-attention states cannot follow several branches in one forward"
-        if "sliding_attention" in self.layer_types:
-            return "a tree's one custom attention mask would override its sliding windows"
+    def tree_verification(self) -> str:
+        """How a DDTree is verified in one forward (dflash.evaluate.verify): "sequence" (the nodes after the
+        root under an ancestor-only mask: attention-only targets whose attention takes a 4D mask) or "paths"
+        (a batch of root-to-leaf paths: hybrid targets, whose recurrent states cannot branch in one sequence,
+        and attention implementations that take no custom mask)."""
         impl = getattr(self.model.config, "_attn_implementation", None) if self.model is not None else None
-        if impl not in (None, "sdpa", "eager"):
-            return f"attn_implementation={impl} cannot take a tree's 4D attention mask (use sdpa or eager)"
-        return None
+        return "sequence" if not self.is_hybrid and impl in (None, "sdpa", "eager") else "paths"
 
     def stop_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}

@@ -15,8 +15,6 @@ def prompt(seed=0, n=10):
 
 @pytest.mark.parametrize("tree_budget", [None, 6])
 def test_lossless_with_partial_acceptance(tiny_target, tree_budget):
-    if tree_budget is not None and tiny_target.is_hybrid:
-        pytest.skip("tree verification needs an attention-only target (tested below)")
     ids = prompt()
     plain = greedy_generate(tiny_target, ids, 60)
     # sharp: a DDTree of 6 nodes then holds the drafted path (a flat one would be wide and shallow)
@@ -27,8 +25,7 @@ def test_lossless_with_partial_acceptance(tiny_target, tree_budget):
     taus = res.acceptance_lengths
     assert 1 + sum(taus) == 60  # the prefill makes the first token
     assert max(taus) > 2 and min(taus) < 8 and all(1 <= t <= 8 for t in taus)
-    if tiny_target.is_hybrid:
-        assert res.replays > 0 and res.target_forwards == 1 + len(taus) + res.replays
+    assert res.target_forwards == 1 + len(taus)  # one forward a block, no replay on the hybrid target either
 
 
 def test_drafts_never_accepted_give_one_token_per_target_forward(tiny_target):
@@ -38,9 +35,8 @@ def test_drafts_never_accepted_give_one_token_per_target_forward(tiny_target):
     res = speculative_generate(OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: True), tiny_target,
                                ids, 20)
     assert torch.equal(res.output_ids, plain) and set(res.acceptance_lengths) == {1}
-    assert res.target_forwards == 1 + len(res.acceptance_lengths) + res.replays
-    if not tiny_target.is_hybrid:  # (a hybrid target also replays the kept token after each rejection)
-        assert (res.output_ids.shape[1] - ids.shape[1]) / res.target_forwards == 1.0
+    assert res.target_forwards == 1 + len(res.acceptance_lengths)
+    assert (res.output_ids.shape[1] - ids.shape[1]) / res.target_forwards == 1.0
 
 
 def test_perfect_drafts_commit_whole_blocks(tiny_target):
@@ -48,7 +44,7 @@ def test_perfect_drafts_commit_whole_blocks(tiny_target):
     plain = greedy_generate(tiny_target, ids, 40)
     res = speculative_generate(OracleDrafter(tiny_target, plain[0].tolist()), tiny_target, ids, 40)
     assert torch.equal(res.output_ids, plain)
-    assert res.acceptance_lengths == [8, 8, 8, 8, 7] and res.replays == 0  # 1 + 39 tokens
+    assert res.acceptance_lengths == [8, 8, 8, 8, 7] and res.target_forwards == 6  # 1 + 39 tokens
 
 
 def test_tree_recovers_drafts_the_single_path_misses(tiny_targets):
@@ -92,7 +88,7 @@ def test_plain_hf_model_is_accepted_as_target(tiny_targets):
     assert res.output_ids.shape[1] == 22 and all(1 <= t <= 4 for t in res.acceptance_lengths)
 
 
-def _tiny_qwen3(**overrides):
+def tiny_qwen3(**overrides):
     """A random-weight Qwen3 built in-process (attention implementation and layer types as given)."""
     from transformers import AutoModelForCausalLM
 
@@ -112,13 +108,14 @@ def _tiny_qwen3(**overrides):
 def test_tree_mask_hides_siblings_under_every_attention_implementation(attn):
     """Each tree node's logits equal those of its own path verified alone (eager adds a boolean mask
     to its scores as 0/1, so the tree mask must be additive)."""
-    from dflash.evaluate.decode import _new_cache, tree_attention_mask
+    from dflash.evaluate.states import new_cache
+    from dflash.evaluate.verify import tree_attention_mask
     from dflash.target.features import target_forward
 
-    target = _tiny_qwen3(attn_implementation=attn)
+    target = tiny_qwen3(attn_implementation=attn)
     ids = prompt(5, 9)
     p = 8
-    cache = _new_cache(target)
+    cache = new_cache(target, recording=False)
     target_forward(target, ids[:, :p], [], cache=cache)
     tokens, parents, depths = [5, 6, 7, 8, 9], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3]
     out = target_forward(target, torch.tensor([[int(ids[0, p])] + tokens]), [],
@@ -138,8 +135,7 @@ def test_sliding_window_target_decodes_losslessly():
     back exactly what plain decoding (and a cache-free forward) sees."""
     from dflash.target.features import target_forward
 
-    target = _tiny_qwen3(layer_types=["sliding_attention"] * 8, sliding_window=6, use_sliding_window=True)
-    assert target.tree_verification_refusal() is not None
+    target = tiny_qwen3(layer_types=["sliding_attention"] * 8, sliding_window=6, use_sliding_window=True)
     ids = prompt(6, 10)
     plain = greedy_generate(target, ids, 40)
     seq = ids
@@ -150,5 +146,3 @@ def test_sliding_window_target_decodes_losslessly():
     oracle = OracleDrafter(target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0)
     res = speculative_generate(oracle, target, ids, 40)
     assert torch.equal(res.output_ids, plain) and max(res.acceptance_lengths) > 2
-    with pytest.raises(ValueError, match="sliding windows"):
-        speculative_generate(oracle, target, ids, 8, tree_budget=4)
