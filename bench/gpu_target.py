@@ -157,8 +157,8 @@ def first_divergence(target, plain: list[int], spec: list[int], prompt_len: int)
 
 def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48) -> dict:
     """Speculative decoding against plain greedy decoding, token for token, on the toy target (a
-    trained hybrid: path verification with linear-state rollback) and the tiny Qwen3 (attention only:
-    path and DDTree verification), with a drafter that knows the answer but misses on purpose (so
+    trained hybrid: the chain with recorded linear states, a DDTree as a batch of its paths) and the tiny
+    Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but misses on purpose (so
     blocks are partly accepted) and a random real drafter. Each run records its first divergence
     (`first_divergence`, None when identical); nothing is excused here: bench/gpu_checks.py judges."""
     import os
