@@ -15,13 +15,20 @@ def _pyplot():
     return plt
 
 
+def line_styles(n: int) -> list[dict]:
+    """A distinct (colour, line style) for each of n lines: the 10 default colours, then again dashed, dotted
+    and dash-dotted (a 15-run sweep would otherwise draw runs 1 and 11 alike)."""
+    dashes = ["-", "--", ":", "-."]
+    return [{"color": f"C{i % 10}", "linestyle": dashes[(i // 10) % len(dashes)]} for i in range(n)]
+
+
 def line_plot(path: Path, curves: dict[str, tuple[list, list]], xlabel: str, ylabel: str, title: str,
               ylim: tuple | None = None, marker: str | None = "o") -> Path:
     """One line per label: curves = {label: (xs, ys)}."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, (xs, ys) in curves.items():
-        ax.plot(xs, ys, marker=marker, label=label)
+    for (label, (xs, ys)), style in zip(curves.items(), line_styles(len(curves))):
+        ax.plot(xs, ys, marker=marker, label=label, **style)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if ylim:
         ax.set_ylim(*ylim)
