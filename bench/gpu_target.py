@@ -158,8 +158,8 @@ def first_divergence(target, plain: list[int], spec: list[int], prompt_len: int)
 def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48) -> dict:
     """Speculative decoding against plain greedy decoding, token for token, on the toy target (a
     trained hybrid: the chain with recorded linear states, a DDTree as a batch of its paths) and the tiny
-    Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but misses on purpose (so
-    blocks are partly accepted) and a random real drafter. Each run records its first divergence
+    Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but
+    misses on purpose (so blocks are partly accepted) and a random real drafter. Each run records its first divergence
     (`first_divergence`, None when identical); nothing is excused here: bench/gpu_checks.py judges."""
     import os
 
@@ -194,12 +194,12 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                     for budget in budgets:
                         res = speculative_generate(drafter, target, ids, new_tokens, tree_budget=budget)
                         div = first_divergence(target, plain, res.output_ids[0].tolist(), ids.shape[1])
-                        taus = res.acceptance_lengths
+                        taus, generated = res.acceptance_lengths, res.output_ids.shape[1] - ids.shape[1]
                         out["runs"].append({"target": name, "kernels": target.kernels, "dtype": dtype,
                                             "prompt": prompt.id, "drafter": kind, "tree_budget": budget,
                                             "identical": div is None, "divergence": div,
                                             "tau": round(sum(taus) / len(taus), 3),
-                                            "tokens_per_forward": round((len(res.output_ids[0]) - ids.shape[1]) / res.target_forwards, 3),
+                                            "tokens_per_forward": round(generated / res.target_forwards, 3),
                                             "verify_tokens": res.verify_tokens})
     if tmp is not None:
         tmp.cleanup()

@@ -47,11 +47,11 @@ def compose(config_name: str = "train", overrides: list[str] | None = None):
 
 @pytest.fixture(scope="session")
 def tiny_targets(dflash_home):
-    """Both tiny presets, loaded through the real loading path (built on first use)."""
+    """The tiny presets, loaded through the real loading path (built on first use)."""
     from dflash.target import load_target
 
     return {name: load_target(compose("train", [f"target={name}"]).target, torch.device("cpu"))
-            for name in ("tiny_qwen3", "tiny_qwen3_5")}
+            for name in ("tiny_qwen3", "tiny_qwen3_5", "tiny_qwen3_sliding")}
 
 
 @pytest.fixture(params=["tiny_qwen3", "tiny_qwen3_5"])

@@ -95,11 +95,6 @@ def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~seen, torch.finfo(dtype).min)[None, None]
 
 
-def tree_attention_mask(parents: list[int], past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, n+1, past+n+1] additive mask for verifying a tree rooted at position `past`."""
-    return _additive(_seen(parents, past, device), dtype)
-
-
 def tree_masks(target, tree: Tree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
     """The tree mask, or with sliding-window layers one per layer type (transformers takes a mapping): a
     sliding layer's node at position q also sees only keys at positions k with q - k < window, as plain

@@ -104,32 +104,6 @@ def tiny_qwen3(**overrides):
     return as_target(model, mask_token_id=0)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_tree_mask_hides_siblings_under_every_attention_implementation(attn):
-    """Each tree node's logits equal those of its own path verified alone (eager adds a boolean mask
-    to its scores as 0/1, so the tree mask must be additive)."""
-    from dflash.evaluate.states import new_cache
-    from dflash.evaluate.verify import tree_attention_mask
-    from dflash.target.features import target_forward
-
-    target = tiny_qwen3(attn_implementation=attn)
-    ids = prompt(5, 9)
-    p = 8
-    cache = new_cache(target, recording=False)
-    target_forward(target, ids[:, :p], [], cache=cache)
-    tokens, parents, depths = [5, 6, 7, 8, 9], [-1, -1, 0, 0, 2], [1, 1, 2, 2, 3]
-    out = target_forward(target, torch.tensor([[int(ids[0, p])] + tokens]), [],
-                         attention_mask=tree_attention_mask(parents, p, target.dtype, ids.device),
-                         position_ids=torch.tensor([[p] + [p + d for d in depths]]), cache=cache, logits_to_keep=0)
-    for i in range(len(tokens)):
-        path, j = [], i
-        while j != -1:
-            path.insert(0, tokens[j])
-            j = parents[j]
-        alone = target_forward(target, torch.cat([ids[:, : p + 1], torch.tensor([path])], 1), [], logits_to_keep=1)
-        assert torch.allclose(out.logits[0, i + 1], alone.logits[0, -1], atol=1e-4), (attn, i)
-
-
 def test_sliding_window_target_decodes_losslessly():
     """Verification runs past the window and rejected drafts are cropped again: the cache must give
     back exactly what plain decoding (and a cache-free forward) sees."""

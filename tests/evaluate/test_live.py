@@ -13,12 +13,10 @@ from tests.conftest import compose
 
 
 @pytest.mark.parametrize("target_name", ["tiny_qwen3_5", "tiny_qwen3_sliding"])
-def test_live_trees_on_hybrid_and_sliding_targets(dflash_home, target_name):
-    from dflash.target import load_target
-
+def test_live_trees_on_hybrid_and_sliding_targets(tiny_targets, target_name):
     job = compose("evaluate", ["debug=tiny", f"target={target_name}", "eval=live", "eval.ddtree_budgets=[4,16]",
                                "eval.max_new_tokens=24"])
-    target = load_target(job.target, torch.device("cpu"))
+    target = tiny_targets[target_name]
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(num=2), target).eval()
     records, summary = live_eval(job, drafter, target)

@@ -15,12 +15,9 @@ from tests.oracle import OracleDrafter
 KINDS = ["tiny_qwen3_5", "tiny_qwen3_sliding"]
 
 
-@pytest.fixture(scope="module")
-def targets(dflash_home):
-    from dflash.target import load_target
-    from tests.conftest import compose
-
-    return {name: load_target(compose("train", [f"target={name}"]).target, torch.device("cpu")) for name in KINDS}
+@pytest.fixture
+def targets(tiny_targets):
+    return {name: tiny_targets[name] for name in KINDS}
 
 
 def prompt(seed, n=30):
@@ -33,19 +30,13 @@ def test_tree_paths_are_root_to_leaf():
     assert tree_paths(Tree([], [], [])) == [[]]
 
 
-def test_sliding_layers_get_their_window_in_the_tree_mask(targets):
-    """Per-layer-type masks: each node's logits equal its own path decoded alone on the sliding-window target,
-    whose window (8) the 30-token context runs past."""
-    target = targets["tiny_qwen3_sliding"]
-    assert target.tree_verification() == "sequence"
-    ids, p = prompt(5), 29
-    tree = Tree(tokens=[5, 6, 7, 8, 9, 10], parents=[-1, -1, 0, 0, 2, 4], depths=[1, 1, 2, 2, 3, 4])
-    masks = tree_masks(target, tree, p)
-    assert set(masks) == {"full_attention", "sliding_attention"}
-    assert not torch.equal(masks["full_attention"], masks["sliding_attention"])
+def assert_nodes_see_only_their_paths(target, ids, p: int, tree: Tree, label) -> None:
+    """The tree verified in one sequence (tree_masks) after ids[:, :p]: each node's logits equal those of its own
+    path decoded alone."""
     cache = new_cache(target, recording=False)
     target_forward(target, ids[:, :p], [], cache=cache)
-    out = target_forward(target, torch.tensor([[int(ids[0, p])] + tree.tokens]), [], attention_mask=masks,
+    out = target_forward(target, torch.tensor([[int(ids[0, p])] + tree.tokens]), [],
+                         attention_mask=tree_masks(target, tree, p),
                          position_ids=torch.tensor([[p] + [p + d for d in tree.depths]]), cache=cache,
                          logits_to_keep=0)
     for i in range(len(tree.tokens)):
@@ -54,7 +45,28 @@ def test_sliding_layers_get_their_window_in_the_tree_mask(targets):
             path.insert(0, tree.tokens[j])
             j = tree.parents[j]
         alone = target_forward(target, torch.cat([ids[:, : p + 1], torch.tensor([path])], 1), [], logits_to_keep=1)
-        assert torch.allclose(out.logits[0, i + 1], alone.logits[0, -1], atol=1e-4), i
+        assert torch.allclose(out.logits[0, i + 1], alone.logits[0, -1], atol=1e-4), (label, i)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_hides_siblings_under_every_attention_implementation(attn):
+    """Eager attention adds a boolean mask to its scores as 0/1, so the tree mask must be additive."""
+    from tests.evaluate.test_decode import tiny_qwen3
+
+    tree = Tree(tokens=[5, 6, 7, 8, 9], parents=[-1, -1, 0, 0, 2], depths=[1, 1, 2, 2, 3])
+    assert_nodes_see_only_their_paths(tiny_qwen3(attn_implementation=attn), prompt(5, 9), 8, tree, attn)
+
+
+def test_sliding_layers_get_their_window_in_the_tree_mask(targets):
+    """Per-layer-type masks on the sliding-window target, whose window (8) the 30-token context runs past."""
+    target = targets["tiny_qwen3_sliding"]
+    assert target.tree_verification() == "sequence"
+    p = 29
+    tree = Tree(tokens=[5, 6, 7, 8, 9, 10], parents=[-1, -1, 0, 0, 2, 4], depths=[1, 1, 2, 2, 3, 4])
+    masks = tree_masks(target, tree, p)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    assert not torch.equal(masks["full_attention"], masks["sliding_attention"])
+    assert_nodes_see_only_their_paths(target, prompt(5), p, tree, "sliding")
 
 
 def test_paths_batch_gives_each_node_its_own_paths_logits(targets):
