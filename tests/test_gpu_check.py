@@ -1,0 +1,336 @@
+"""The GPU check (bench/gpu_check.sh, bench/gpu_checks.py, bench/gpu_runner.py) run on a CPU machine: its
+GPU checks SKIP there, the others run small; what it projects, counts, keeps when killed, and judges."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
+    """bash bench/gpu_check.sh on a CPU machine, with wandb made unimportable (no check may need it): a
+    line per check with PASS/FAIL/SKIP and a reason, and a complete report."""
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the check takes minutes: run bash bench/gpu_check.sh")
+    blocker = tmp_path / "no_wandb" / "wandb"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('wandb is blocked: no GPU check may need it')\n")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(PYTHON=sys.executable, GPU_CHECK_RESULTS=str(tmp_path), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(blocker.parent)] + [p for p in [env.get("PYTHONPATH")] if p]))
+    run = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600, check=False)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in ("flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels"):
+        assert any(line.startswith(f"SKIP {name} needs CUDA") for line in lines), run.stdout
+    for name in ("install", "autocast_loss", "live_lossless"):
+        assert any(line.startswith(f"PASS {name} ") for line in lines), run.stdout
+    [path] = tmp_path.glob("*-gpu-check.json")
+    report = json.loads(path.read_text())
+    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 4} and report["complete"] and not report["pending"]
+    assert report["checks"]["live_lossless"]["runs"] and report["checks"]["autocast_loss"]["loss_rel_diff"] < 1e-2
+
+
+# --- the GPU check itself, on CPU: what it projects, counts, keeps when killed, and judges ---
+
+def test_flex_lengths_run_the_recipe_first_and_project_a_compile_from_the_last_one():
+    """A 72 s cold compile at 3072 (the first length) must not end the check: the next new shape is
+    projected from that compile (paid once, not 1.5x the whole first length as before), a length of a
+    compiled shape costs no compile, and once a warm compile is measured it is what is projected."""
+    from bench.gpu import next_cost
+    from bench.gpu_checks import FLEX_LENGTHS, RECIPE_LENGTH
+    from dflash.drafter.blocks import flex_padded_shape
+
+    assert FLEX_LENGTHS[:2] == [RECIPE_LENGTH, 4096]
+    shapes = [flex_padded_shape(L, 512, 512) for L in FLEX_LENGTHS]
+    assert shapes[2] == shapes[0]  # the third length reuses the recipe's graph: reuse is checked early
+    measured = {3072: {"step_s": 0.5, "first_step_s": 72.0, "new_shape": True}}
+    assert next_cost(3072, True, {}, 3) == 0.0  # the first length always runs
+    assert next_cost(4096, False, measured, 3) == pytest.approx(72 + 3 * 0.5 * 4096 / 3072)
+    assert next_cost(3000, True, measured, 3) == pytest.approx(4 * 0.5 * 3000 / 3072)
+    spent = 72 + 3 * 0.5
+    assert spent + next_cost(4096, False, measured, 3) < 180  # fits a 180 s budget (the old rule stopped here)
+    measured[4096] = {"step_s": 0.8, "first_step_s": 20.0, "new_shape": True}
+    measured[3000] = {"step_s": 0.49, "first_step_s": 0.5, "new_shape": False}
+    assert next_cost(2048, False, measured, 3) == pytest.approx(20 + 3 * 0.8 * 2048 / 4096)  # the slowest per token
+
+
+def test_flex_lengths_skip_what_does_not_fit_and_go_on(monkeypatch):
+    """A length over the budget is skipped, not the end: later lengths of compiled shapes still run."""
+    from bench import gpu
+
+    monkeypatch.setattr(gpu, "next_cost", lambda L, compiled, measured, repeat: 0.0 if compiled else 1e9)
+    out = gpu.flex_lengths([300, 600, 290], 16, 100, torch.device("cpu"), dims=gpu.SMALL, repeat=1,
+                           backend="sdpa")
+    assert list(out["lengths"]) == [300, 290] and list(out["skipped"]) == [600]
+    assert out["lengths"][300]["new_shape"] and not out["lengths"][290]["new_shape"]
+
+
+def test_compile_watch_counts_dynamo_graphs_and_recompiles():
+    from bench.gpu import CompileWatch
+
+    torch._dynamo.reset()  # no graphs of earlier tests for the same code
+    f = torch.compile(lambda x: x * 3 + 1, backend="eager", dynamic=False)
+    with CompileWatch() as watch:
+        f(torch.ones(3))
+        first = watch.mark()
+        f(torch.ones(3))
+        same = watch.mark()
+        f(torch.ones(5))
+        other = watch.mark()
+    assert first["graphs"] == 1 and first["recompiles"] == 0 and same == first
+    assert other["graphs"] == 2 and other["recompiles"] == 1 and "size mismatch" in watch.recompiles[0]
+
+
+@pytest.mark.parametrize("keyed_on", ["padded shape", "exact length"])
+def test_flex_check_fails_when_a_compiled_shape_recompiles(monkeypatch, keyed_on):
+    """Dynamo's own counts decide: a step that compiles for each exact length recompiles at 290, whose
+    padded shape 300 compiled already, and the check FAILs; keyed on the padded shape it PASSes. (The
+    old check compared dflash's flex count with the number of shapes it is keyed on: always equal.)"""
+    from bench import gpu
+    from bench.gpu_checks import flex_verdict
+    from dflash.drafter.blocks import flex_padded_shape
+
+    torch._dynamo.reset()  # the lambda's code is the same in both cases: start without its graphs
+    compiled = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+    original = gpu.loss_and_backward
+
+    def step(drafter, embed, head_weight, feats, blocks, *args, **kwargs):
+        n = feats.shape[1] if keyed_on == "exact length" else flex_padded_shape(feats.shape[1], 16, 16)[0]
+        compiled(torch.zeros(n))
+        return original(drafter, embed, head_weight, feats, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(gpu, "loss_and_backward", step)
+    out = gpu.flex_lengths([300, 290], 16, 100, torch.device("cpu"), dims=gpu.SMALL, repeat=1, backend="sdpa")
+    verdict = flex_verdict(out, recipe=300)
+    if keyed_on == "exact length":
+        assert verdict["status"] == "FAIL" and "recompiled a compiled shape: 290" in verdict["summary"]
+        assert out["lengths"][290]["first_step_compiled"] == {"graphs": 1, "recompiles": 1}
+    else:
+        assert verdict["status"] == "PASS", verdict["summary"]
+        assert out["compiles"]["dynamo_graphs"] == 1 and "1 reused (290)" in verdict["summary"]
+
+
+def fake_pass(budget):
+    return {"status": "PASS", "summary": "a fake check"}
+
+
+def fake_pass_too(budget):
+    return {"status": "PASS", "summary": "another fake check"}
+
+
+class _Slow:
+    """Turns into JSON slowly (json.dump calls default=str on it), so a kill lands inside a write."""
+
+    def __str__(self):
+        time.sleep(0.5)
+        return "slow"
+
+
+def fake_killed_mid_write(budget):
+    from bench.gpu_runner import save_partial
+
+    save_partial({"lengths": {3072: {"step_s": 0.5}}})  # what a first length leaves
+    save_partial({"lengths": {3072: {"step_s": 0.5}, 4096: {"step_s": 0.7}}, "zz": [_Slow() for _ in range(200)]})
+    return {"status": "PASS", "summary": "never reached"}
+
+
+fake_killed_mid_write.timeout_s = 15
+
+
+def fake_broken_partial(budget):
+    """A partial file as a non-atomic writer killed mid-write leaves it."""
+    Path(os.environ["GPU_CHECK_PARTIAL"]).write_text('{"status": "FAIL", "lengths": {"3072": {"step_')
+    time.sleep(60)
+
+
+fake_broken_partial.timeout_s = 12
+
+
+def fake_sleeps(budget):
+    from bench.gpu_runner import save_partial
+
+    save_partial({"pid": os.getpid()})
+    time.sleep(120)
+
+
+fake_sleeps.timeout_s = 150
+
+
+def test_a_broken_result_file_is_noted_not_fatal(tmp_path):
+    from bench.gpu_runner import read_result
+
+    (tmp_path / "a.json").write_text('{"status": "PASS", "summ')
+    (tmp_path / "b.json").write_text("[1, 2]")
+    assert read_result(tmp_path / "none.json") == (None, None)
+    obj, note = read_result(tmp_path / "a.json")
+    assert obj is None and "a.json unreadable (JSONDecodeError" in note and note.endswith("skipped")
+    assert read_result(tmp_path / "b.json")[0] is None
+
+
+@pytest.mark.slow
+def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch):
+    """A check SIGKILLed inside a write of its partial result (the temp file is left half-written) keeps the
+    partial it wrote before; a broken partial file is skipped with a note; the checks before and after
+    are in the report, which was rewritten after each."""
+    from bench.gpu_checks import run_plan
+    from bench.gpu_runner import run_all
+
+    if torch.cuda.is_available():
+        pytest.skip("the fake checks run one by one on CPU only")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.delenv("GPU_CHECK_INSTALL", raising=False)
+    names = [f"tests.test_gpu_check:{n}" for n in ("fake_pass", "fake_killed_mid_write", "fake_broken_partial",
+                                              "fake_pass_too")]
+    report = run_all(names, 300, tmp_path / "results", run_plan(names))
+    checks = report["checks"]
+    assert [checks[n]["status"] for n in names] == ["PASS", "FAIL", "FAIL", "PASS"]
+    killed, broken = checks[names[1]], checks[names[2]]
+    assert killed["summary"].startswith("timed out after 15 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
+    logs = tmp_path / "out" / "gpu-check-logs"
+    assert (logs / ".tests.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()  # killed inside the write
+    assert "partial.json unreadable (JSONDecodeError" in broken["summary"] and "skipped" in broken["summary"]
+    [path] = (tmp_path / "results").glob("*-gpu-check.json")
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report, default=str))
+    assert report["complete"] and report["summary"] == {"PASS": 2, "FAIL": 2, "SKIP": 0}
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_the_checks_it_finished(tmp_path):
+    """SIGKILL the whole run while its second check runs: the report on disk has the first check,
+    complete false and the second one pending."""
+    if torch.cuda.is_available():
+        pytest.skip("the fake checks run one by one on CPU only")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    env.pop("GPU_CHECK_INSTALL", None)
+    names = ["tests.test_gpu_check:fake_pass", "tests.test_gpu_check:fake_sleeps"]
+    run = subprocess.Popen([sys.executable, "-m", "bench.gpu_checks", "--only", *names, "--results",
+                            str(tmp_path / "results")], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    partial = tmp_path / "out" / "gpu-check-logs" / "tests.test_gpu_check-fake_sleeps.partial.json"
+    deadline = time.time() + 120
+    while not partial.exists() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    child = json.loads(partial.read_text())["pid"]
+    run.kill()
+    run.wait()
+    os.kill(child, 9)  # the check runs in a session of its own: end it too
+    [path] = (tmp_path / "results").glob("*-gpu-check.json")
+    report = json.loads(path.read_text())
+    assert report["checks"][names[0]]["status"] == "PASS" and not report["complete"]
+    assert report["pending"] == [names[1]] and (tmp_path / "out" / path.name).exists()
+
+
+def test_the_qwen3_6_preset_is_the_published_drafter_at_the_recipe_shape():
+    """What qwen3_6_step runs on a GPU (built here on the meta device): 24 query / 4 key-value heads of
+    256, four sliding layers of 2048 and one full, block 16, 3072 tokens, 512 anchors, flex, bf16."""
+    from bench.gpu import QWEN3_6_PRESET, preset_job
+
+    job, shape, setup = preset_job(QWEN3_6_PRESET)
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.block_size) == (24, 4, 256, 5, 16)
+    assert job["drafter"].resolved_layer_types() == ["sliding_attention"] * 4 + ["full_attention"]
+    assert job["drafter"].sliding_window == 2048
+    assert (setup.ctx_len, setup.num_anchors, setup.backend, setup.compute, setup.batch) == (3072, 512, "flex", 2, 1)
+    assert setup.allowance == 0 and setup.fragmentation == 0 and not setup.online
+
+
+def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets):
+    """The qwen3_6_step code path at a tiny size (sdpa, a sliding and a full layer, float32 on CPU): it
+    reports its figures, and bench.plan's estimate is within 15% of the tensors TensorPeak counts."""
+    from bench.gpu import preset_step
+    from bench.gpu_checks import preset_verdict
+
+    out = preset_step(torch.device("cpu"), [
+        "target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
+        "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",
+        "data.max_length=256"], repeat=1)
+    verdict = preset_verdict(out)
+    assert verdict["status"] == "PASS", verdict["summary"]
+    assert out["mask_kinds"] == 2 and out["context_tokens_per_s"] > 0 and out["mfu"] is None
+    assert out["timed_steps_compiled"] == {"graphs": 0, "recompiles": 0}
+    assert abs(out["plan_over_measured"] - 1) <= 0.15
+    wrong = preset_verdict({**out, "plan_over_measured": 1.2, "backend": "flex"})
+    assert "1.200x the measured" in wrong["summary"] and "flex ran uncompiled" in wrong["summary"]
+
+
+def test_extraction_kernels_run_at_the_real_head_dims_on_cpu():
+    """The fla check's code path with the mid-size hybrid (head dims 128 and 256) on CPU, where the
+    fallback is what is bound: bound and fallback agree exactly in bf16 and float32, and the verdict
+    names the kernels and says fla is not bound."""
+    from bench.gpu_checks import kernel_verdict
+    from bench.gpu_target import extraction_kernels, mid_hybrid_config
+
+    out = extraction_kernels(torch.device("cpu"), mid_hybrid_config(vocab_size=512), batch=1, length=64, repeat=1)
+    assert out["kernels"]["linear_attention"] == "torch_fallback"
+    assert out["features_max_abs_diff"] == 0 and out["features_max_abs_diff_float32"] == 0
+    assert out["deltanet_bound_float32_err_max"] == 0 < out["deltanet_fallback_err_max"]
+    why, figures = kernel_verdict(out, "head dims 128")
+    assert why == [next(w for w in why if "fla is not bound" in w)]
+    assert "linear heads 4/12 x 128" in figures and "bf16 0, float32 0" in figures
+
+
+def _run(dtype, drafter="oracle", margin=None, target="toy"):
+    div = None if margin is None else {"at": 7, "plain": [11], "spec": [12], "lengths": [32, 32], "margin": margin}
+    return {"target": target, "kernels": {}, "dtype": dtype, "prompt": "p", "drafter": drafter, "tree_budget": None,
+            "identical": div is None, "divergence": div, "tau": 3.0, "tokens_per_forward": 2.5,
+            "verify_tokens": 90}
+
+
+def test_lossless_is_exact_in_float32_and_bf16_divergences_are_listed_with_margins():
+    from bench.gpu_checks import lossless_verdict
+
+    ok = lossless_verdict({"runs": [_run("float32"), _run("bfloat16"), _run("bfloat16", "random", margin=0.03)]})
+    assert ok["status"] == "PASS" and "bfloat16 1/2 identical" in ok["summary"]
+    assert "toy/p/random at token 7 (plain [11], spec [12], margin 0.03)" in ok["summary"]
+    # float32: a divergence fails even at a near-tie (the old check let 1e-3 pass as a tie)
+    tie32 = lossless_verdict({"runs": [_run("float32", margin=1e-4), _run("bfloat16")]})
+    assert tie32["status"] == "FAIL" and "float32: 1 runs differ" in tie32["summary"]
+    clear = lossless_verdict({"runs": [_run("float32"), _run("bfloat16", margin=0.5)]})
+    assert clear["status"] == "FAIL" and "clear logit margin" in clear["summary"]
+
+
+def test_first_divergence_names_the_token_and_the_targets_margin(tiny_targets):
+    from bench.gpu_target import first_divergence
+
+    target = tiny_targets["tiny_qwen3"]
+    plain = list(range(40, 60))
+    assert first_divergence(target, plain, list(plain), 5) is None
+    spec = plain[:12] + [99] + plain[13:]
+    div = first_divergence(target, plain, spec, 5)
+    assert div["at"] == 7 and div["plain"] == [52] and div["spec"] == [99] and div["margin"] >= 0
+    assert first_divergence(target, plain, plain[:15], 5)["margin"] is None  # one output a prefix of the other
+
+
+def test_no_check_imports_wandb():
+    """The GPU machine has no wandb and the wheels bring none: every module the checks import, and the
+    collection of the gpu-marked tests, work with wandb unimportable."""
+    code = (
+        "import sys; sys.modules['wandb'] = None\n"
+        "import bench.gpu_checks, bench.gpu, bench.gpu_target, bench.gpu_runner, bench.plan, bench.run\n"
+        "import dflash.tracking, dflash.train.loop, dflash.evaluate.live, dflash.evaluate.decode\n"
+        "import dflash.drafter.build, dflash.target.loading, dflash.target.builtin, dflash.train.optim\n"
+        "import dflash.train.batches, tests.oracle\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '--collect-only', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests']))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "error" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+def test_the_wheels_leave_wandb_out_and_install_beside_the_environment():
+    wheels = (REPO / "bench/prepare_wheels.sh").read_text()
+    want = wheels[wheels.index('WANT="'):].split('"')[1]
+    assert "hydra-core" in want and "flash-linear-attention" in want and "wandb" not in want
+    script = (REPO / "bench/gpu_check.sh").read_text()
+    assert "--target \"$SITE\"" in script and 'export PYTHONPATH="$SITE' in script
+    assert "wandb:wandb" not in script
