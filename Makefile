@@ -19,8 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
+# The z-lab reference decoder (dflash 0.1.0 on PyPI) is unpacked beside the venv, never installed: it is also
+# `import dflash`. tests/zlab.py imports its model.py under another name, as the oracle of the interop tests.
+ZLAB := $(VENV)/zlab-dflash-0.1.0
+
 $(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
+	rm -rf $(ZLAB) && $(PY) -m pip download -q --no-deps -d $(ZLAB) dflash==0.1.0
+	$(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(ZLAB)/*.whl')[0]).extractall('$(ZLAB)')"
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # as pip does, skip the few that do not compile
 	touch $@
 

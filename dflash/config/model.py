@@ -87,8 +87,27 @@ class DrafterConfig:
     """MLP width; null copies the target's."""
     init_from: str | None = None
     """Start from the weights of this drafter directory (z-lab layout) instead of a random init."""
+    sliding_causal: bool | None = None
+    """Whether sliding_attention layers are causal inside the block (a window of W keys ending at each query)
+    or see the whole block both ways plus the context within W positions; null = the kind's default: causal
+    for dflash (as SGLang/vLLM serve DFlash drafters), non-causal for dflash2 (as DFlash 2 trainers export:
+    dflash_config.causal false). Full-attention layers always see the whole block."""
+    kind: str = "dflash"
+    """dflash, or dflash2: DFlash 2's grouped dynamic convolutions around every sublayer and its candidate
+    selector on the target head (DESIGN §2b; exported as DFlash2DraftModel)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each grouped dynamic convolution (offsets 0..k-1 within the block)."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap (groups = hidden / this)."""
+    selector_rank: int = 256
+    """dflash2: rank r of the selector's predecessor/successor codebooks [vocab, r]."""
+    selector_top_k: int = 16
+    """dflash2: candidates K per slot, the unary top-K of the target head's logits."""
 
     def __post_init__(self) -> None:
+        one_of("drafter.kind", self.kind, {"dflash", "dflash2"})
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            positive(f"drafter.{key}", getattr(self, key))
         if self.block_size < 2:
             raise ConfigError(f"drafter.block_size={self.block_size}: a block needs at least 2 slots")
         positive("drafter.num_layers", self.num_layers)
@@ -108,6 +127,16 @@ class DrafterConfig:
 
     def resolved_layer_types(self) -> list[str]:
         return list(self.layer_types) if self.layer_types else ["full_attention"] * self.num_layers
+
+    def resolved_sliding_causal(self) -> bool:
+        return self.kind == "dflash" if self.sliding_causal is None else self.sliding_causal
+
+    def dflash2_keys(self) -> dict | None:
+        """The DFlash 2 keys of the drafter's config.json (None for kind=dflash)."""
+        if self.kind != "dflash2":
+            return None
+        return {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
 
 
 @dataclass
@@ -146,6 +175,9 @@ class LossConfig:
     decay weights (the paper's form), anchor for D-PACE weights (the form the D-PACE author recommends)."""
     kl_weights: str = "decay"
     """Slot weights of loss=kl: decay (as decay_ce) or dpace."""
+    selector_weight: float = 1.0
+    """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, gold added when missing,
+    the previous gold token as predecessor, decay slot weights) added to the per-slot loss above."""
     chunk_logits: int = 134217728
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
     recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
@@ -159,6 +191,7 @@ class LossConfig:
             raise ConfigError(f"loss.alpha={self.alpha} must be in (0, 1] (1 = uniform D-PACE weights)")
         positive("loss.gamma", self.gamma)
         positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
+        positive("loss.selector_weight", self.selector_weight, allow_zero=True)
 
     @property
     def weighting(self) -> str:

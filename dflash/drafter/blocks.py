@@ -96,28 +96,36 @@ def pack_blocks(
     return PackedBlocks(anchor, valid, block_in.view(b, -1), position_ids, labels, label_mask, L, block_size)
 
 
-def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None):
+def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
+                  causal: bool | None = None):
     """The packed attention rule as a flex-attention mask_mod(b, h, q_idx, kv_idx) -> bool.
 
     Query q_idx belongs to block q_idx // B (anchor a, position a + q_idx % B). Key kv_idx < ctx_len
     is context position kv_idx, visible when kv_idx < a; other keys are block tokens, visible only
-    within the query's own block. Sliding layers see only keys at positions q-(window-1) .. q (causal
-    inside the block, DESIGN §2).
+    within the query's own block. A causal layer sees only keys at positions <= the query's; a window W
+    keeps the keys within W positions of the query: q-(W-1) .. q when causal (DESIGN §2's sliding rule),
+    |q - k| < W both ways when not (DFlash 2's non-causal sliding layers, as vLLM serves them).
+    causal: None = causal exactly when there is a window (the DFlash sliding_attention default).
     The dense SDPA mask is this same function evaluated on a broadcast grid.
     """
+    causal = window is not None if causal is None else causal
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         anchor = anchors[b, blk]
         is_ctx = kv_idx < ctx_len
         visible = (is_ctx & (kv_idx < anchor)) | (~is_ctx & ((kv_idx - ctx_len) // block_size == blk))
-        if window is not None:  # by position: causal, the `window` keys ending at the query (DESIGN §2)
+        if causal or window is not None:  # by position (DESIGN §2)
             k_pos = torch.where(is_ctx, kv_idx, anchor + (kv_idx - ctx_len) % block_size)
             dist = anchor + q_idx % block_size - k_pos
-            visible = visible & (dist >= 0) & (dist < window)
+            if causal:
+                visible = visible & (dist >= 0)
+            if window is not None:
+                visible = visible & (dist < window) & (dist > -window)
         return visible
 
     mask_mod.window = window  # the mask kind, part of what a compiled flex graph is specialised on
+    mask_mod.causal = causal
     return mask_mod
 
 
@@ -152,10 +160,11 @@ FLEX_TILE = 128
 queries, the tiles of 128 keys holding a visible entry, and apart those where every entry is visible."""
 
 
-def _visible_spans(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                   window: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _visible_spans(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None,
+                   causal: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The keys make_mask_mod lets each packed query see, as two intervals [start, end) of key indices:
-    its context (positions < anchor, within the window on sliding layers) and its own block's keys.
+    its context (positions < anchor, within the window on sliding layers) and its own block's keys (up to the
+    query when causal, within the window when there is one).
 
     anchors: [b, n]. Returns [(start, end)] * 2, each [b, n*B] int32.
     """
@@ -165,11 +174,15 @@ def _visible_spans(anchors: torch.Tensor, ctx_len: int, block_size: int,
     anchor = anchors[:, :, None].expand(b, n, block_size)  # [b, n, B]: each query's anchor
     own = ctx_len + torch.arange(n, device=dev)[:, None] * block_size  # [n, 1]: key of the block's slot 0
     ctx_end = anchor.clamp(0, ctx_len)
-    if window is None:  # bidirectional in the block, every context position < anchor
-        ctx_start, own_start, own_end = torch.zeros_like(ctx_end), own, own + block_size
-    else:  # causal window of `window` positions ending at the query (anchor + slot)
+    if window is None:  # every context position < anchor
+        ctx_start, own_start = torch.zeros_like(ctx_end), own
+    else:  # the keys within `window` positions of the query (anchor + slot)
         ctx_start = (anchor + slot - (window - 1)).clamp(min=0)
-        own_start, own_end = own + (slot - (window - 1)).clamp(min=0), own + slot + 1
+        own_start = own + (slot - (window - 1)).clamp(min=0)
+    if causal:
+        own_end = own + slot + 1
+    else:
+        own_end = own + (slot + window).clamp(max=block_size) if window is not None else own + block_size
     flat = lambda t: t.expand(b, n, block_size).reshape(b, -1).to(torch.int32)
     return [(flat(ctx_start), flat(ctx_end)), (flat(own_start), flat(own_end))]
 
@@ -203,7 +216,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def packed_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
-                      tile: int = FLEX_TILE) -> BlockMask:
+                      tile: int = FLEX_TILE, *, causal: bool | None = None) -> BlockMask:
     """The flex BlockMask of the packed rule, built from the layout tile by tile.
 
     create_block_mask evaluates `mask_mod` on the whole [q, kv] grid first (3 to 20 bytes an entry:
@@ -211,13 +224,13 @@ def packed_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, wind
     the visible entries per tile follow from interval overlaps. Tiles with every entry visible are
     listed as full (flex skips mask_mod there), the rest with any visible entry as partial (mask_mod
     decides each entry), and the same tensors in the same order as create_block_mask's come out.
-    anchors: [b, n]; window: the sliding layers' (None: full attention). Nothing is [q, kv]: the mask's
+    anchors: [b, n]; window: the sliding layers' (None: full attention); causal: as make_mask_mod. Nothing is [q, kv]: the mask's
     int32 tensors are at most [b, 1, q_tiles, kv_tiles], the largest temporary [b, q, kv_tiles]; nothing
     is read back to the host.
     """
     q_len = anchors.shape[1] * block_size
-    mask_mod = make_mask_mod(anchors, ctx_len, block_size, window)
-    spans = _visible_spans(anchors, ctx_len, block_size, window)
+    mask_mod = make_mask_mod(anchors, ctx_len, block_size, window, causal)
+    spans = _visible_spans(anchors, ctx_len, block_size, window, mask_mod.causal)
     count = _tile_counts(spans, ctx_len + q_len, tile)
     full = count == tile * tile
     return BlockMask.from_kv_blocks(*_ordered((count > 0) & ~full), *_ordered(full), BLOCK_SIZE=tile,
@@ -227,19 +240,24 @@ def packed_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, wind
 BLOCKS_PER_CHUNK_TOKENS = 256  # queries per chunk: fewer waste keys, more calls; 256 measured best on CPU
 
 
-def packed_attention_masks(blocks: PackedBlocks, layer_types: list[str], window: int | None,
-                           backend: str) -> dict:
-    """Per-layer-type masks for the packed forward: a ChunkedMask (sdpa) or a BlockMask (flex)."""
+def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None, backend: str) -> dict:
+    """Masks for the packed forward, one per kind of layer: a ChunkedMask (sdpa) or a BlockMask (flex).
+
+    kinds: the layers' attention rules (dflash.drafter.model.AttentionRule: causal, window; `window` unused), or
+    their layer types (full_attention; sliding_attention: causal with `window`). Keyed as given."""
     b, n = blocks.anchors.shape
     B, L = blocks.block_size, blocks.ctx_len
     dev = blocks.anchors.device
     masks = {}
-    for kind in sorted(set(layer_types)):
-        kind_window = window if kind == "sliding_attention" else None
+    for kind in dict.fromkeys(kinds):
+        if isinstance(kind, str):
+            kind_window, causal = (window, True) if kind == "sliding_attention" else (None, False)
+        else:
+            kind_window, causal = kind.window, kind.causal
         if backend == "flex":
-            masks[kind] = packed_block_mask(blocks.anchors, L, B, kind_window)
+            masks[kind] = packed_block_mask(blocks.anchors, L, B, kind_window, causal=causal)
             continue
-        mod = make_mask_mod(blocks.anchors, L, B, kind_window)
+        mod = make_mask_mod(blocks.anchors, L, B, kind_window, causal)
         per_chunk = max(1, BLOCKS_PER_CHUNK_TOKENS // B)
         chunks = []
         for first in range(0, n, per_chunk):
@@ -302,7 +320,7 @@ def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBl
         ctx_len, n_padded = flex_padded_shape(blocks.ctx_len, n, num_blocks)
         if (ctx_len, n_padded) != (blocks.ctx_len, n):
             blocks, features = pad_packed(blocks, features, ctx_len, n_padded, drafter.mask_token_id)
-    masks = packed_attention_masks(blocks, drafter.layer_types, drafter.config.sliding_window, backend)
+    masks = packed_attention_masks(blocks, drafter.attention_rules, None, backend)
     noise = embed_tokens(blocks.input_ids).to(features.dtype)
     hidden = (drafter if model is None else model)(noise, features, blocks.position_ids, attention_mask=masks)
     return hidden.view(b, -1, blocks.block_size, hidden.shape[-1])[:, :n]

@@ -8,9 +8,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from dflash.config import DrafterConfig, LayersConfig
-from dflash.drafter.model import SLIDING_RULE, DFlashDraftModel, drafter_config
+from dflash.drafter import dflash2
+from dflash.drafter.model import SLIDING_RULE, DFlash2DraftModel, DFlashDraftModel, drafter_config, is_dflash2
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout
@@ -26,6 +28,10 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from)
         check_fits(drafter, target, source=f"drafter.init_from={cfg.init_from}")
+        if drafter.kind != cfg.kind:
+            raise ConfigError(f"drafter.init_from={cfg.init_from} is a {drafter.kind} drafter but drafter.kind="
+                              f"{cfg.kind}: set drafter.kind={drafter.kind} to fine-tune it (its config.json decides "
+                              f"the shape), or start from a {cfg.kind} checkpoint")
         if "sliding_attention" in drafter.layer_types:
             # from here on it trains with the served rule: say so in every checkpoint, or each one would be
             # flagged on load as trained before it (a published drafter's config.json lacks the key)
@@ -36,10 +42,16 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
         mask_token_id=target.mask_token_id, layer_types=cfg.resolved_layer_types(),
         sliding_window=cfg.sliding_window, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size)
-    drafter = DFlashDraftModel(config).float()
+        intermediate_size=cfg.intermediate_size, dflash2=cfg.dflash2_keys(),
+        sliding_causal=cfg.resolved_sliding_causal())
+    drafter = drafter_class(config)(config).float()
     check_fits(drafter, target, source="the drafter config")
     return drafter
+
+
+def drafter_class(config) -> type[DFlashDraftModel]:
+    """DFlash2DraftModel for a DFlash 2 config (the class name its exports carry), else DFlashDraftModel."""
+    return DFlash2DraftModel if is_dflash2(config) else DFlashDraftModel
 
 
 def load_drafter(path: str) -> DFlashDraftModel:
@@ -54,7 +66,7 @@ def load_drafter(path: str) -> DFlashDraftModel:
         raise NotFoundError(f"drafter directory {path} is missing {', '.join(missing)}; it is not a "
                                 f"complete drafter in z-lab layout (config.json + model.safetensors)")
     try:
-        drafter = DFlashDraftModel.from_pretrained(str(root))
+        drafter = drafter_class(PretrainedConfig.from_json_file(str(root / "config.json"))).from_pretrained(str(root))
     except ValueError as e:  # the strict load names the weights that do not match config.json; config checks
         raise CheckpointError(str(e) if str(root) in str(e) else f"{root}/config.json: {e}") from e
     except Exception as e:  # safetensors and json errors name neither the file nor the drafter
@@ -70,6 +82,7 @@ def load_drafter(path: str) -> DFlashDraftModel:
 
 
 MODELING_FILE = "modeling_dflash.py"
+DFLASH2_FILE = "dflash2.py"
 
 
 def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None,
@@ -83,10 +96,14 @@ def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | Non
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v
                       for k, v in (state_dict if state_dict is not None else drafter.state_dict()).items()}
-    drafter.config.auto_map = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"}
+    name = "DFlash2DraftModel" if drafter.kind == "dflash2" else "DFlashDraftModel"
+    drafter.config.architectures = [name]
+    drafter.config.auto_map = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{name}"}
     drafter.save_pretrained(folder, state_dict=state_dict)
     shutil.copyfile(inspect.getsourcefile(DFlashDraftModel), folder / MODELING_FILE)  # pure: torch + transformers
+    shutil.copyfile(inspect.getsourcefile(dflash2), folder / DFLASH2_FILE)  # the model file imports it (relative)
     config = read_json(folder / "config.json")
+    config["architectures"] = [name]  # save_pretrained writes the Python class's name
     rope = dict(config.get("rope_parameters") or {})
     config["rope_theta"] = rope.get("rope_theta")
     config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else {

@@ -70,3 +70,52 @@ def accepted_length(tree: Tree, path: list[int]) -> int:
 def ddtree_tau(topk_ids, topk_logprobs, path: list[int], budget: int) -> int:
     """Acceptance length (accepted + 1 bonus) of ddtree@budget against the target path."""
     return accepted_length(build_tree(topk_ids, topk_logprobs, budget, max_depth=len(path)), path) + 1
+
+
+def build_tree_pairwise(cand_ids: list[list[int]], first_logp: list[float], table_logp: list[list[list[float]]],
+                        budget: int, max_depth: int | None = None) -> Tree:
+    """DDTree from DFlash 2's selector: a child's probability is conditioned on its parent's token.
+
+    cand_ids [S][K]: the selector's candidates per slot; first_logp [K]: log q(candidate | anchor) at slot 1;
+    table_logp [S-1][K][K]: table_logp[s][i][j] = log q(candidate j of slot s+2 | candidate i of slot s+1),
+    each row normalised over the K candidates (dflash.drafter.dflash2 `CandidateSelector.transitions`, softmax
+    per row). A prefix scores the sum of its conditional log-probabilities; best-first as `build_tree`, a popped
+    node pushing its next sibling (the parent's next-best candidate) and its first child (its own best
+    successor), so the sets stay nested in the budget. No public code builds this tree (DFlash 2 serves the
+    selector's single path); `build_tree` on the unary marginals is the DDTree beside it.
+    """
+    depth_limit = len(cand_ids) if max_depth is None else min(max_depth, len(cand_ids))
+    if depth_limit <= 0 or budget <= 0:
+        return Tree([], [], [])
+    orders: dict[tuple[int, int], list[int]] = {}
+
+    def row(depth: int, parent_idx: int) -> list[float]:
+        return first_logp if depth == 1 else table_logp[depth - 2][parent_idx]
+
+    def order(depth: int, parent_idx: int) -> list[int]:  # candidate indices of slot `depth`, best first
+        key = (depth, parent_idx if depth > 1 else -1)
+        if key not in orders:
+            r = row(depth, parent_idx)
+            orders[key] = sorted(range(len(r)), key=lambda j: -r[j])
+        return orders[key]
+
+    tree, tie = Tree([], [], []), 0
+    # heap entries: (-score, tie, depth, parent node, parent's candidate index, rank among its siblings)
+    heap = [(-first_logp[order(1, -1)[0]], tie, 1, -1, -1, 0)]
+    while heap and len(tree.tokens) < budget:
+        neg, _, d, parent, parent_idx, rank = heapq.heappop(heap)
+        sibs = order(d, parent_idx)
+        j = sibs[rank]
+        node = len(tree.tokens)
+        tree.tokens.append(cand_ids[d - 1][j])
+        tree.parents.append(parent)
+        tree.depths.append(d)
+        if d < depth_limit:
+            child = order(d + 1, j)[0]
+            tie += 1
+            heapq.heappush(heap, (neg - row(d + 1, j)[child], tie, d + 1, node, j, 0))
+        if rank + 1 < len(sibs):
+            r = row(d, parent_idx)
+            tie += 1
+            heapq.heappush(heap, (neg + r[j] - r[sibs[rank + 1]], tie, d, parent, parent_idx, rank + 1))
+    return tree

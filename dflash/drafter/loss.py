@@ -8,9 +8,14 @@ Per labelled slot k (1 <= k < B; slot 0 is the given token and never counts) a r
 - kl: l_k = KL(p_target || q_drafter) at the label's position, weighted by either.
 The caller divides the weighted sum by a normaliser (the sum of the weights, or the count of valid anchors) taken
 over a whole optimizer step on all processes, so accumulation and DDP stay exact (dflash.train.step).
+
+DFlash 2 adds the candidate selector's K-way cross-entropy (`selector_ce`), computed from the same chunk of logits
+(the LM head runs once per row), weighted by the decay slot weights and returned apart (`LossTerms`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,41 +30,88 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
-def _chunk_ce(hidden, weight, labels, row_weight):
+def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's K-way cross-entropy per row and its choice: ([N], [N] token ids).
+
+    hidden [N, H], logits [N, V] (the unary scores), labels [N] (gold), prev [N] (the previous gold token: the
+    anchor at slot 1; teacher forcing). The candidates are the unary top-K with the gold token put in place of
+    the K-th when it is missing, so every row has a target; the scores are unary + pairwise, so the loss trains
+    the codebooks, the projection and (through unary and h) the drafter itself.
+    """
+    cand = selector.candidates(logits.detach())[1]
+    missing = ~(cand == labels[:, None]).any(-1)
+    cand = torch.cat([cand[:, :-1], torch.where(missing, labels, cand[:, -1])[:, None]], 1)
+    scores = selector.scores(hidden, logits.gather(-1, cand), cand, prev)
+    gold = (cand == labels[:, None]).int().argmax(-1)
+    return F.cross_entropy(scores, gold, reduction="none"), cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+
+
+def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None):
     logits = F.linear(hidden, weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * row_weight).sum(), logits.argmax(-1)
+    if selector is None:
+        return (ce * row_weight).sum(), logits.argmax(-1)
+    sel, sel_pred = selector_ce(selector, hidden, logits, labels, prev)
+    return (ce * row_weight).sum(), logits.argmax(-1), (sel * sel_weight).sum(), sel_pred
 
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                row_weight: torch.Tensor, chunk_logits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                row_weight: torch.Tensor, chunk_logits: int = 0, selector=None, prev: torch.Tensor | None = None,
+                sel_weight: torch.Tensor | None = None) -> tuple:
     """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions.
 
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
     logits are made chunk by chunk of rows and recomputed in backward (activation
     checkpointing), so peak memory holds one chunk's logits instead of N x vocab; below it
-    they are made at once (no recompute). Returns (loss_sum, predictions [N]).
+    they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight
+    [N]) also the selector's weighted CE sum and choices [N] (`selector_ce`) from the same logits.
     """
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
+    extra = () if selector is None else (selector,)
     if hidden.shape[0] <= chunk_rows:
-        return _chunk_ce(hidden, lm_head_weight, labels, row_weight)
-    total, preds = hidden.new_zeros((), dtype=torch.float32), []
+        return _chunk_ce(hidden, lm_head_weight, labels, row_weight, *extra, prev, sel_weight)
+    n = len(labels.split(chunk_rows))
+    split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
+    parts = []
     # split, not per-chunk slices: a slice's backward writes a zero gradient the size of all of `hidden`
-    for h, y, w in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows)):
-        part, pred = checkpoint(_chunk_ce, h, lm_head_weight, y, w, use_reentrant=False)
-        total = total + part
-        preds.append(pred)
-    return total, torch.cat(preds)
+    for h, y, w, a, sw in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows),
+                              split(prev), split(sel_weight)):
+        parts.append(checkpoint(_chunk_ce, h, lm_head_weight, y, w, *extra, a, sw, use_reentrant=False))
+    return tuple(torch.stack(p).sum() if p[0].dim() == 0 else torch.cat(p) for p in zip(*parts))
+
+
+@dataclass
+class LossTerms:
+    """What `block_terms` returns: the per-slot loss's weighted sum, its weight sum (no gradient) and the argmax
+    predictions [..., B] (-1 where there is no label); for DFlash 2 also the selector's CE weighted by the decay
+    slot weights, that weight sum, and the selector's choices [..., B] (previous gold token as predecessor)."""
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    predictions: torch.Tensor
+    selector_sum: torch.Tensor | None = None
+    selector_weight_sum: torch.Tensor | None = None
+    selector_predictions: torch.Tensor | None = None
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-               label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None, *,
-               weighting: str = "decay", alpha: float = 0.5, target_logits: torch.Tensor | None = None,
-               target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+               label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None,
+               **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_sum, weight_sum, predictions) of `block_terms` (its arguments; no selector)."""
+    terms = block_terms(hidden, lm_head_weight, labels, label_mask, gamma, chunk_logits, rows, **options)
+    return terms.loss_sum, terms.weight_sum, terms.predictions
+
+
+def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None, *,
+                weighting: str = "decay", alpha: float = 0.5, target_logits: torch.Tensor | None = None,
+                target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                selector=None) -> LossTerms:
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
-    go through the LM head. Returns (loss_sum, weight_sum, predictions [..., B], -1 where
+    go through the LM head. Returns LossTerms: loss_sum, weight_sum, predictions [..., B] (-1 where
     there is no label); with the paper's normalisation the loss is loss_sum / weight_sum, i.e.
     sum_k w_k l_k / sum_k w_k over labelled slots. The caller divides, so that it can use the
     normaliser of a whole optimizer step across processes and micro-batches (exact distributed
@@ -72,27 +124,39 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     target_topk: (logprobs [N, k], ids [N, k], rest [N]) the target's stored top-k distribution instead
     (features.topk_logits): the row loss is the KL between the two distributions coarsened to those k tokens
     and one bucket for all the others (exact when k = vocab; below, a lower bound of the full KL).
+    selector: a DFlash 2 CandidateSelector: its CE (`selector_ce`, predecessor = the previous slot's label, the
+    anchor token at slot 1) from the same logits, weighted by the decay weights exp(-(k-1)/gamma).
     """
     rows = label_rows(label_mask) if rows is None else rows
+    decay = (slot_weights(labels.shape[-1], gamma).to(hidden.device, non_blocking=True) * label_mask).reshape(-1)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
+    flat_y = labels.reshape(-1)[rows]
+    sel = {}
+    if selector is not None:  # slot k's predecessor is slot k-1's label (slot 0's is the anchor token)
+        sel = {"selector": selector, "prev": torch.roll(labels, 1, -1).reshape(-1)[rows]}
     if weighting == "decay" and target_logits is None and target_topk is None:  # the paper's loss, unchanged
-        w = slot_weights(labels.shape[-1], gamma).to(hidden.device, non_blocking=True)  # blocking: a sync
-        w = (w * label_mask).reshape(-1)
-        flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
-        loss_sum, pred = weighted_ce(flat_h, lm_head_weight, labels.reshape(-1)[rows], w[rows], chunk_logits)
-        return loss_sum, w.sum(), _scatter_predictions(labels, rows, pred)
+        out = weighted_ce(flat_h, lm_head_weight, flat_y, decay[rows], chunk_logits,
+                          **({**sel, "sel_weight": decay[rows]} if sel else {}))
+        terms = LossTerms(out[0], decay.sum(), _scatter_predictions(labels, rows, out[1]))
+        if sel:
+            terms.selector_sum, terms.selector_weight_sum = out[2], terms.weight_sum
+            terms.selector_predictions = _scatter_predictions(labels, rows, out[3])
+        return terms
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting={weighting!r}: decay or dpace")
-    flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
-    row_loss, ce, pred = row_losses(flat_h, lm_head_weight, labels.reshape(-1)[rows], chunk_logits, target_logits,
-                                    target_topk)
+    out = row_losses(flat_h, lm_head_weight, flat_y, chunk_logits, target_logits, target_topk, **sel)
+    row_loss, ce, pred = out[:3]
     if weighting == "dpace":
         q = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
         q[rows] = torch.exp(-ce.detach().float())
         w = dpace_weights(q.view(labels.shape), label_mask, alpha).reshape(-1)
     else:
-        w = (slot_weights(labels.shape[-1], gamma).to(hidden.device) * label_mask).reshape(-1)
-    loss_sum = (row_loss * w[rows]).sum()
-    return loss_sum, w.sum(), _scatter_predictions(labels, rows, pred)
+        w = decay
+    terms = LossTerms((row_loss * w[rows]).sum(), w.sum(), _scatter_predictions(labels, rows, pred))
+    if sel:
+        terms.selector_sum, terms.selector_weight_sum = (out[3] * decay[rows]).sum(), decay.sum()
+        terms.selector_predictions = _scatter_predictions(labels, rows, out[4])
+    return terms
 
 
 def _scatter_predictions(labels: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -121,15 +185,17 @@ def dpace_weights(q: torch.Tensor, label_mask: torch.Tensor, alpha: float) -> to
         return reach.flip(-1).cumsum(-1).flip(-1) * mask
 
 
-def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_ids=None, top_rest=None):
+def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_ids=None, top_rest=None,
+                selector=None, prev=None):
     logits = F.linear(hidden, weight).float()
+    sel = () if selector is None else selector_ce(selector, hidden, logits, labels, prev)
     logq = F.log_softmax(logits, dim=-1)
     ce = -logq.gather(-1, labels[:, None]).squeeze(-1)
     if target_logits is not None:
         logp = F.log_softmax(target_logits.float(), dim=-1)
-        return (logp.exp() * (logp - logq)).sum(-1), ce, logits.argmax(-1)
+        return ((logp.exp() * (logp - logq)).sum(-1), ce, logits.argmax(-1), *sel)
     if top_ids is None:
-        return ce, ce, logits.argmax(-1)
+        return (ce, ce, logits.argmax(-1), *sel)
     logq_top = logq.gather(-1, top_ids)
     # the drafter's mass outside the k tokens, in log space; a large negative (not -inf) keeps the gradient
     # finite where the k tokens are the whole vocabulary (then rest = 0 and the term vanishes)
@@ -137,24 +203,26 @@ def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_id
     lp = top_logprobs.float()
     rest = top_rest.float()
     kl = (lp.exp() * (lp - logq_top)).sum(-1) + rest * (torch.log(rest.clamp_min(1e-30)) - log_q_rest)
-    return kl, ce, logits.argmax(-1)
+    return (kl, ce, logits.argmax(-1), *sel)
 
 
 def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_logits: int = 0,
-               target_logits: torch.Tensor | None = None, target_topk: tuple | None = None):
+               target_logits: torch.Tensor | None = None, target_topk: tuple | None = None, selector=None,
+               prev: torch.Tensor | None = None):
     """Per-row losses of hidden [N, H]: (row_loss [N], ce [N], predictions [N]); row_loss is ce, or with
     target_logits [N, V] KL(softmax(target) || softmax(drafter)), or with target_topk (block_loss) the
-    top-k KL. Chunked over rows as `weighted_ce`."""
+    top-k KL; with a selector (prev [N]) also its CE and choices [N] (`selector_ce`). Chunked over rows as
+    `weighted_ce`."""
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     top = tuple(target_topk) if target_topk is not None else (None, None, None)
     if hidden.shape[0] <= chunk_rows:
-        return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top)
+        return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top, selector, prev)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
-    for h, y, t, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
-                            *(split(t) for t in top)):
-        parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, use_reentrant=False))
+    for h, y, t, a, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
+                               split(prev), *(split(t) for t in top)):
+        parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, selector, a, use_reentrant=False))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 

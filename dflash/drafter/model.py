@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
     rotate_half,
 )
+from transformers import initialization as hf_init
+
+from .dflash2 import DFLASH2_KEYS, CandidateSelector, GroupedDynamicConv, identity_kernel  # relative: exports copy both
 
 try:  # flex attention is used for packed training on CUDA; absent on very old torch
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -54,7 +58,7 @@ def _flex(q, k, v, block_mask, scale):
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.requires_grad or k.requires_grad,
-           getattr(block_mask.mask_mod, "window", None))
+           getattr(block_mask.mask_mod, "window", None), getattr(block_mask.mask_mod, "causal", None))
     if key not in _flex_shapes:
         _flex_shapes.add(key)
         config = torch._dynamo.config
@@ -89,15 +93,93 @@ class ContextCache:
 
 SLIDING_RULE = "causal_window"
 """How sliding_attention layers attend, recorded in config.json as `dflash_sliding_attention` (a key
-serving frameworks ignore): causal inside the block, a window of W keys ending at the query, over
-context and block positions together (flash attention causal=True, window=(W-1, 0)), as SGLang and
-vLLM serve DFlash drafters (DESIGN §2). dflash before this rule attended both ways inside the block."""
+serving frameworks ignore): by default causal inside the block, a window of W keys ending at the query,
+over context and block positions together (flash attention causal=True, window=(W-1, 0)), as SGLang and
+vLLM serve DFlash drafters (DESIGN §2); non-causal where the config says so (`attention_rules`). dflash
+before this rule attended both ways inside the block, with no window inside it."""
+
+
+class AttentionRule(NamedTuple):
+    """What a drafter layer's block queries see besides the context before the anchor and their own block
+    (DESIGN §2). causal: only keys at positions <= the query's. window W: only keys within W positions of the
+    query, q-(W-1) .. q when causal (flash attention window (W-1, 0)), |q - k| < W when not ((W-1, W-1): vLLM
+    widens the window both ways for a non-causal layer; the z-lab reference masks |q - k| < W)."""
+
+    causal: bool
+    window: int | None
+
+
+FULL = AttentionRule(False, None)
+"""DFlash's full_attention layer: the whole block both ways, all the context before the anchor."""
+
+
+def attention_rules(config) -> list[AttentionRule]:
+    """Each drafter layer's rule, read from config.json as vLLM reads it, and refused where the servers (vLLM,
+    SGLang, the z-lab reference) would read it differently from one another.
+
+    causal: top-level `is_causal` (every layer), else `dflash_config.causal` (every layer), else the layer type
+    (sliding_attention causal, full_attention not). Windowed: the sliding_attention layers of `layer_types`
+    (with `dflash_config.use_swa` and no layer_types: every layer); the window is `dflash_config.swa_window_size`,
+    else `sliding_window`.
+    """
+    dflash = getattr(config, "dflash_config", None) or {}
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    top, inner = getattr(config, "is_causal", None), dflash.get("causal")
+    use_swa, swa = dflash.get("use_swa"), dflash.get("swa_window_size")
+    window = swa if swa is not None else getattr(config, "sliding_window", None)
+    if top is not None and inner is not None and bool(top) != bool(inner):
+        raise ValueError(f"is_causal={top} and dflash_config.causal={inner} disagree (vLLM takes is_causal, SGLang "
+                         f"and the z-lab reference read only is_causal): make them equal")
+    if top is None and inner is not None and (types is None or any(
+            bool(inner) != (t == "sliding_attention") for t in types)):
+        raise ValueError(f"dflash_config.causal={inner} without is_causal: vLLM applies it to every layer, SGLang and "
+                         f"the z-lab reference ignore it (they decide by layer type); set is_causal={inner} too")
+    if types is None:
+        if use_swa or top:
+            raise ValueError("a drafter config without layer_types and with dflash_config.use_swa or is_causal=true: "
+                             "vLLM windows/masks every layer, SGLang none; give layer_types explicitly")
+        types = ["full_attention"] * n
+    elif use_swa and "sliding_attention" not in types:
+        raise ValueError("dflash_config.use_swa=true but no layer is sliding_attention: vLLM then windows every layer, "
+                         "SGLang and the z-lab reference none; list the sliding layers in layer_types")
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and swa is not None and getattr(config, "sliding_window", None) != swa:
+        raise ValueError(f"dflash_config.swa_window_size={swa} but sliding_window={config.sliding_window}: vLLM "
+                         f"takes the first, SGLang and the z-lab reference the second; make them equal")
+    causal = [bool(top if top is not None else inner) if (top, inner) != (None, None) else s for s in sliding]
+    return [AttentionRule(c, int(window) if s and window is not None else None) for c, s in zip(causal, sliding)]
+
+
+def attention_keys(rules: list[AttentionRule], config=None) -> dict:
+    """The attention keys an export writes, so that every server reads `rules` back (attention_rules): is_causal
+    and dflash_config.causal when all layers agree (a mix of causal sliding and non-causal full layers is the
+    layer-type default, which every server reads alike), use_swa and swa_window_size."""
+    causal = {r.causal for r in rules}
+    windows = {r.window for r in rules if r.window is not None}
+    keys = {"dflash_config": {"use_swa": bool(windows)}}
+    if windows:
+        keys["dflash_config"]["swa_window_size"] = windows.pop()
+    if len(causal) == 1:
+        keys["is_causal"] = keys["dflash_config"]["causal"] = causal.pop()
+    return keys
+
+
+def rule_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, rule: AttentionRule) -> torch.Tensor:
+    """[b, 1, q, k] bool of one block's queries at q_pos [b, q] over keys at k_pos [b, k] (context keys all lie
+    before the anchor, so only the rule itself hides any)."""
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    visible = torch.ones_like(dist, dtype=torch.bool)
+    if rule.causal:
+        visible &= dist >= 0
+    if rule.window is not None:
+        visible &= (dist < rule.window) & (dist > -rule.window)
+    return visible[:, None]
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """[b, 1, q, k] bool: the keys at positions q-(window-1) .. q of each query at position q."""
-    dist = q_pos[:, :, None] - k_pos[:, None, :]
-    return ((dist >= 0) & (dist < window))[:, None]
+    return rule_mask(q_pos, k_pos, AttentionRule(True, window))
 
 
 def check_sliding_window(config: Qwen3Config) -> None:
@@ -117,9 +199,10 @@ def check_sliding_window(config: Qwen3Config) -> None:
 class DFlashAttention(nn.Module):
     """Queries from the block; keys/values from cat(context, block), one set of projections."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, rule: AttentionRule = FULL):
         super().__init__()
         self.layer_idx = layer_idx
+        self.rule = rule
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -133,7 +216,7 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.layer_type = layer_types[layer_idx]
-        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        self.sliding_window = rule.window
 
     def forward(self, hidden, context, cos, sin, mask, cache: ContextCache | None):
         """hidden [b, q, H] (block), context [b, c, H] (new context) -> [b, q, H].
@@ -188,16 +271,49 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    """A Qwen3 decoder layer with KV injection; DFlash 2 wraps both sublayers in a grouped dynamic
+    convolution (dflash.drafter.dflash2), inside the residual branch after the norm."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, rule: AttentionRule = FULL):
         super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx, rule)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.block_size = block_size_of(config)
+        if is_dflash2(config):
+            k, group = int(dflash_value(config, "conv_kernel_size")), int(dflash_value(config, "conv_group_size"))
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, k, group)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, k, group)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, hidden, context, cos, sin, mask, cache):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        x = self.input_layernorm(hidden)
+        if self.attention_conv is None:
+            hidden = hidden + self.self_attn(x, context, cos, sin, mask, cache)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        B = self.block_size  # the taps stop at each block's first slot (packed blocks are B queries each)
+        x, taps = self.attention_conv.prepare(x, B)
+        hidden = hidden + self.attention_conv.finish(self.self_attn(x, context, cos, sin, mask, cache), taps, B)
+        x, taps = self.mlp_conv.prepare(self.post_attention_layernorm(hidden), B)
+        return hidden + self.mlp_conv.finish(self.mlp(x), taps, B)
+
+
+def dflash_value(config, name: str, default=None):
+    """A drafter key as the servers read it: `dflash_config` first, then the top level."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    return dflash[name] if name in dflash else getattr(config, name, default)
+
+
+def is_dflash2(config) -> bool:
+    """A DFlash 2 config: its architecture says so, or it carries the convolution and selector keys."""
+    return "DFlash2DraftModel" in (getattr(config, "architectures", None) or []) or all(
+        dflash_value(config, k) is not None for k in DFLASH2_KEYS)
+
+
+def block_size_of(config) -> int:
+    return int(getattr(config, "block_size", None) or dflash_value(config, "block_size", 16))
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -220,14 +336,40 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         check_sliding_window(config)
         self.target_layer_ids = list(dflash["target_layer_ids"])
         self.mask_token_id = int(dflash["mask_token_id"])
-        self.block_size = int(getattr(config, "block_size", dflash.get("block_size", 16)))
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.block_size = block_size_of(config)
+        if is_dflash2(config):
+            missing = [k for k in DFLASH2_KEYS if dflash_value(config, k) is None]
+            if missing:
+                raise ValueError(f"a DFlash2DraftModel config.json needs dflash_config.{', '.join(missing)}")
+        rules = attention_rules(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i, rules[i]) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, int(dflash_value(config, "selector_rank")),
+            int(dflash_value(config, "selector_top_k"))) if is_dflash2(config) else None
         self.gradient_checkpointing = False
         self.post_init()
+
+    @property
+    def kind(self) -> str:
+        """dflash or dflash2 (`drafter.kind`)."""
+        return "dflash" if self.candidate_selector is None else "dflash2"
+
+    def _init_weights(self, module) -> None:
+        """transformers' init, then DFlash 2's: identity convolutions (a fresh DFlash 2 drafter computes what
+        the DFlash one does) and codebooks at the initializer range. Through transformers' guarded init, so
+        weights loaded from a checkpoint are never overwritten."""
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicConv):
+            hf_init.copy_(module.base_kernel, identity_kernel(module.kernel_size, module.base_kernel.shape[-1]))
+            hf_init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            std = getattr(self.config, "initializer_range", 0.02) or 0.02
+            hf_init.normal_(module.predecessor_codebook, mean=0.0, std=std)
+            hf_init.normal_(module.successor_codebook, mean=0.0, std=std)
 
     def _set_gradient_checkpointing(self, enable: bool = True, *_, **__) -> None:
         """What transformers' `gradient_checkpointing_enable()` calls (train.gradient_checkpointing): in
@@ -259,6 +401,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @property
     def layer_types(self) -> list[str]:
         return [layer.self_attn.layer_type for layer in self.layers]
+
+    @property
+    def attention_rules(self) -> list[AttentionRule]:
+        """Each layer's AttentionRule (causal, window), as the servers read this config (`attention_rules`)."""
+        return [layer.self_attn.rule for layer in self.layers]
 
     def new_cache(self) -> ContextCache:
         n = len(self.layers)
@@ -294,7 +441,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         hidden = noise_embedding
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for layer in self.layers:
-            mask = masks[layer.self_attn.layer_type]
+            mask = masks[layer.self_attn.rule]
             if recompute:
                 hidden = checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False)
             else:
@@ -305,15 +452,21 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self.norm(hidden)
 
     def _masks(self, attention_mask, position_ids, q_len, cache) -> dict:
+        """A mask per attention rule: a dict given as is (packed blocks: dflash.drafter.blocks), one given mask for
+        every rule, or for one block (None) each rule's own from the positions (the full rule needs none)."""
         if isinstance(attention_mask, dict):
             return attention_mask
-        masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
-        if attention_mask is None and "sliding_attention" in self.layer_types:
-            k_pos = position_ids if cache is None or cache.positions is None else torch.cat(
-                [cache.positions, position_ids], dim=1)
-            masks["sliding_attention"] = sliding_window_mask(
-                position_ids[:, -q_len:], k_pos, self.config.sliding_window)
-        return masks
+        rules = set(self.attention_rules)
+        if attention_mask is not None or rules == {FULL}:
+            return {rule: attention_mask for rule in rules}
+        k_pos = position_ids if cache is None or cache.positions is None else torch.cat(
+            [cache.positions, position_ids], dim=1)
+        return {rule: None if rule == FULL else rule_mask(position_ids[:, -q_len:], k_pos, rule) for rule in rules}
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The class name DFlash 2 exports carry (`architectures`, `auto_map`): the same model, which builds the
+    convolutions and the selector from the DFlash 2 keys of its config."""
 
 
 DFlashDrafter = DFlashDraftModel
@@ -333,14 +486,28 @@ def drafter_config(
     num_key_value_heads: int | None = None,
     head_dim: int | None = None,
     intermediate_size: int | None = None,
+    dflash2: dict | None = None,
+    sliding_causal: bool = True,
 ) -> Qwen3Config:
-    """A z-lab drafter config sized after a target's text config (any Qwen-style model)."""
+    """A z-lab drafter config sized after a target's text config (any Qwen-style model).
+
+    dflash2: {conv_kernel_size, conv_group_size, selector_rank, selector_top_k} makes a DFlash 2 config
+    (architectures DFlash2DraftModel, those keys and block_size in dflash_config, as published).
+    sliding_causal: whether sliding_attention layers are causal inside the block (full_attention layers never
+    are). The attention keys every server reads (is_causal, dflash_config.causal/use_swa/swa_window_size) are
+    written explicitly (`attention_keys`)."""
     rope_theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
         target_config, "rope_theta", 1_000_000.0)
     heads = num_attention_heads or target_config.num_attention_heads
     types = list(layer_types) if layer_types else ["full_attention"] * num_layers
+    dflash = {"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)}
+    if dflash2:
+        dflash.update({k: int(dflash2[k]) for k in DFLASH2_KEYS}, block_size=int(block_size))
+    rules = [AttentionRule(sliding_causal, sliding_window) if t == "sliding_attention" else FULL for t in types]
+    keys = attention_keys(rules, None)
+    dflash.update(keys.pop("dflash_config"))
     return Qwen3Config(
-        architectures=["DFlashDraftModel"],
+        architectures=["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
         intermediate_size=intermediate_size or target_config.intermediate_size,
@@ -360,6 +527,7 @@ def drafter_config(
         layer_types=types,
         block_size=block_size,
         num_target_layers=target_config.num_hidden_layers,
-        dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)},
+        dflash_config=dflash,
+        **keys,
         **({"dflash_sliding_attention": SLIDING_RULE} if "sliding_attention" in types else {}),
     )

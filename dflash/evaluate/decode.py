@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.drafter.blocks import draft_block
-from dflash.drafter.ddtree import Tree, build_tree
+from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
+from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
@@ -82,13 +83,16 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temper
 @torch.no_grad()
 def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
-                         seed: int = 0) -> SpecResult:
+                         seed: int = 0, tree: str = "marginal") -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
     Target or any loaded HF causal LM. tree_budget: verify the DDTree of that many nodes
     (dflash.drafter.ddtree) instead of the single drafted path, on any target: in one sequence under an
     ancestor-only mask, or on hybrid targets as a batch of its paths (`Target.tree_verification`).
+    A DFlash 2 drafter drafts its candidate selector's path (dflash.drafter.dflash2); tree="pairwise" builds
+    its DDTree from the selector's pairwise scores (a child conditioned on its parent's token) instead of the
+    per-slot marginals ("marginal").
     """
     target = as_target(target)
     drafter.eval()
@@ -104,6 +108,10 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     pending = out.features  # context features not yet in the drafter's cache (positions < p)
     result = SpecResult(output_ids=input_ids, acceptance_lengths=[])
     dtype = next(drafter.parameters()).dtype
+    if tree not in ("marginal", "pairwise"):
+        raise ValueError(f"tree={tree!r}: marginal or pairwise")
+    if tree == "pairwise" and drafter.candidate_selector is None:
+        raise ValueError("tree='pairwise' builds the DDTree from DFlash 2's selector; this drafter is DFlash 1")
     verify_tree = verify_tree_sequence if target.tree_verification() == "sequence" else verify_tree_paths
 
     def pick(logits: torch.Tensor, first_position: int) -> list[int]:
@@ -115,12 +123,23 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         hidden = draft_block(drafter, embed, pending.to(dtype), anchor_token, p, cache=dcache)
         logits = head(hidden[0, 1:].to(head.weight.dtype)).float()
         room = max_new_tokens - (len(ids) - prompt_len)  # tokens still allowed, the bonus included
+        tables = None
+        if drafter.candidate_selector is not None:  # DFlash 2: one batched product, then the walk on the host
+            tables = [t[0] for t in selector_tables(drafter.candidate_selector, hidden[:, 1:], logits[None],
+                                                    anchor_token)]
         if tree_budget is None:
-            drafts = choose(logits, temperature, seed + 1, p + 1)[: room - 1].tolist() if room > 1 else []
+            if tables is not None:
+                drafts = walk_path(tables[1], tables[2], tables[0], depth=room - 1, temperature=temperature,
+                                   draw=lambda probs, s: seeded_draw(probs, seed + 1, p + 1 + s))[0]
+            else:
+                drafts = choose(logits, temperature, seed + 1, p + 1)[: room - 1].tolist() if room > 1 else []
             verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, pick)
         else:
-            tree, drafts = draft_tree(logits, tree_budget, room)
-            verdict = verify_tree(target, layer_ids, cache, ids[-1], tree, p, pick)
+            if tree == "pairwise":
+                draft, drafts = draft_tree_pairwise(tables, tree_budget, room)
+            else:
+                draft, drafts = draft_tree(logits, tree_budget, room)
+            verdict = verify_tree(target, layer_ids, cache, ids[-1], draft, p, pick)
         result.target_forwards += 1
         result.verify_tokens += verdict.tokens
         result.draft_tokens.append(drafts)
@@ -133,6 +152,22 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         result.acceptance_lengths.append(len(ids) - 1 - p)  # what was kept: nothing past a stop token counts
     result.output_ids = torch.tensor([ids[: prompt_len + max_new_tokens]], device=input_ids.device)
     return result
+
+
+def seeded_draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """An index drawn from probs [n] by the generator of (seed, position), as `choose` draws."""
+    g = torch.Generator(device=probs.device).manual_seed(_position_seed(seed, position))
+    return int(torch.multinomial(probs, 1, generator=g))
+
+
+def draft_tree_pairwise(tables, budget: int, room: int) -> tuple[Tree, list[int]]:
+    """The DDTree of `budget` nodes from a DFlash 2 selector's tables (cand [S, K], first [K], table [S-1, K, K]:
+    dflash.drafter.dflash2.selector_tables), at most room - 1 deep, and the selector's greedy path."""
+    cand, first, table = tables
+    depth = max(0, min(cand.shape[0], room - 1))
+    first_logp, table_logp = torch.log_softmax(first, -1).tolist(), torch.log_softmax(table, -1).tolist()
+    tree = build_tree_pairwise(cand.tolist(), first_logp, table_logp, budget, max_depth=depth)
+    return tree, walk_path(first, table, cand, depth=depth)[0]
 
 
 def draft_tree(logits: torch.Tensor, budget: int, room: int) -> tuple[Tree, list[int]]:

@@ -59,7 +59,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
     stops = target.stop_token_ids()
-    budgets = [None, *cfg.ddtree_budgets]
+    # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
+    budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
+               *[(b, "pairwise") for b in cfg.ddtree_budgets if drafter.candidate_selector is not None]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     totals = {b: {**dict.fromkeys(fields, 0), "taus": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
@@ -70,10 +72,11 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         t0 = time.perf_counter()
         plain = greedy_generate(target, ids, cfg.max_new_tokens, cfg.temperature, seed=n, stop_token_ids=stops)
         plain_time += time.perf_counter() - t0
-        for budget in budgets:
+        for budget, tree in budgets:
             t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, cfg.temperature, budget, stops, seed=n)
-            tot = totals[budget]
+            res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, cfg.temperature, budget, stops, seed=n,
+                                       tree=tree)
+            tot = totals[budget, tree]
             tot["time"] += time.perf_counter() - t0
             ties += not check_lossless(target, prompt.id, plain[0].tolist(), res.output_ids[0].tolist(),
                                        ids.shape[1], tie)
@@ -83,14 +86,15 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             tot["verify_tokens"] += res.verify_tokens
             tot["taus"] += res.acceptance_lengths
             for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
-                records.append({"prompt_id": prompt.id, "tree_budget": budget, "step": step, "tau": tau,
-                                "draft_tokens": drafts})
+                records.append({"prompt_id": prompt.id, "tree_budget": budget, "tree": tree, "step": step,
+                                "tau": tau, "draft_tokens": drafts})
         progress.update()
     progress.close()
     metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts), "eval/live_ties": ties,
-               "eval/live_tokens": totals[None]["tokens"]}
-    for budget, tot in totals.items():
-        prefix = "eval/live_" if budget is None else f"eval/live_ddtree@{budget}_"
+               "eval/live_tokens": totals[None, "marginal"]["tokens"]}
+    for (budget, tree), tot in totals.items():
+        prefix = ("eval/live_" if budget is None else f"eval/live_ddtree@{budget}_" if tree == "marginal" else
+                  f"eval/live_ddtree_pair@{budget}_")
         metrics.update({
             f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
             f"{prefix}tokens_per_forward": tot["tokens"] / max(1, tot["forwards"]),
@@ -99,7 +103,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             f"{prefix}speedup": plain_time / max(tot["time"], 1e-9),
             f"{prefix}spec_s": tot["time"],
         })
-    summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None]["taus"], drafter.block_size),
+    summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification()}
     return records, summary

@@ -77,20 +77,28 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     wall-clock speedup over plain decoding."""
     first = next(iter(summaries.values()))
     B, budgets = first["block_size"], first["ddtree_budgets"]
+    # DFlash 2 (any drafter with the selector's numbers): its unary and oracle taus and pairwise trees beside
+    dflash2 = any("eval/tau_unary" in s["metrics"] or "eval/live_ddtree_pair@" in " ".join(s["metrics"])
+                  for s in summaries.values())
     if mode == "live":
         header = ["drafter", "verify", "tau", "tok/forward", "tok/verify", "cost/verify", "speedup", "tokens"]
+        verifiers = [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_") for n in budgets],
+                     *[(f"ddtree_pair@{n}", f"eval/live_ddtree_pair@{n}_") for n in budgets if dflash2]]
         rows = [[label, name, m[f"{prefix}tau"], m[f"{prefix}tokens_per_forward"], m[f"{prefix}tokens_per_verify"],
                  m[f"{prefix}verify_cost"], m[f"{prefix}speedup"], m["eval/live_tokens"]]
                 for label, m in ((k, s["metrics"]) for k, s in summaries.items())
-                for name, prefix in [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_")
-                                                                 for n in budgets]]]
+                for name, prefix in verifiers if f"{prefix}tau" in m]
     else:
         mid = max(1, (B - 1) // 2)
+        pair = [f"ddtree_pair@{n}" for n in budgets] if dflash2 else []
         header = ["drafter", "tau", "tau_macro", "full", "tau_all", "acc@1", f"acc@{mid}", f"acc@{B - 1}",
-                  *[f"ddtree@{n}" for n in budgets], "blocks"]
+                  *[f"ddtree@{n}" for n in budgets], *(["tau_unary", "tau_oracle", *pair] if dflash2 else []),
+                  "blocks"]
         rows = [[label, m["eval/tau"], m["eval/tau_macro"], m["eval/full"], m["eval/tau_all_anchors"],
                  m["eval/acc@1"], m.get(f"eval/acc@{mid}", 0.0), m.get(f"eval/acc@{B - 1}", 0.0),
-                 *[m[f"eval/ddtree@{n}"] for n in budgets], m["eval/blocks"]]
+                 *[m[f"eval/ddtree@{n}"] for n in budgets],
+                 *[m.get(f"eval/{k}", "-") for k in (["tau_unary", "tau_oracle", *pair] if dflash2 else [])],
+                 m["eval/blocks"]]
                 for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
     print_table(rows, header, out)
     if mode != "live":

@@ -18,8 +18,9 @@ import torch
 
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
-from dflash.drafter.ddtree import ddtree_tau
-from dflash.evaluate.walk import walk
+from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
+from dflash.drafter.dflash2 import selector_tables, teacher_forced_choice
+from dflash.evaluate.walk import variant_key, verify_depth, walk, walk_variants
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
 
@@ -41,6 +42,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     per length bucket and mask kind (as training does with train.num_anchors)."""
     was_training = drafter.training
     drafter.eval()
+    selector = drafter.candidate_selector
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
     device, dtype = embed.weight.device, next(drafter.parameters()).dtype
     records = []
@@ -66,13 +68,17 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                                      drafter.mask_token_id).to(device)
                 hidden = draft_packed(drafter, embed, feats[None].to(device, dtype), blocks, backend,
                                       num_blocks=ANCHORS_PER_FORWARD)[0, :, 1:]
-                logp = torch.log_softmax(head(hidden.to(head.weight.dtype)).float(), -1)
+                logits = head(hidden.to(head.weight.dtype)).float()
+                logp = torch.log_softmax(logits, -1)
                 top = logp.topk(K, dim=-1)
                 # a partial block's slots past the completion hold -1: never a drafted token
                 target = blocks.labels[0, :, 1:].cpu().masked_fill(~blocks.label_mask[0, :, 1:].cpu(), -1)
-                correct, _ = block_correct(top.indices[:, :, 0].cpu(), target)
+                drafted = top.indices[:, :, 0]
+                if selector is not None:  # DFlash 2 drafts the selector's path; the argmax path is the unary one
+                    drafted, extra = dflash2_fields(selector, hidden, logits, blocks, target, chunk, cfg, start)
+                correct, _ = block_correct(drafted.cpu(), target)
                 streak = metrics.streaks(correct).tolist()
-                draft_ids, top_ids, top_logp = top.indices[:, :, 0].tolist(), top.indices.tolist(), top.values.tolist()
+                draft_ids, top_ids, top_logp = drafted.tolist(), top.indices.tolist(), top.values.tolist()
                 for j, p in enumerate(chunk.tolist()):
                     by_anchor[p] = {
                         "prompt_id": eval_set.ids[i], "anchor": p, "target_tokens": ids[p + 1: p + B].tolist(),
@@ -80,19 +86,48 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                         "streak": int(streak[j]), "left": length - 1 - p, "room": start + cfg.max_new_tokens - 1 - p,
                         "all_anchors": False, "walk_start": p == start,
                     }
+                    if selector is not None:
+                        by_anchor[p].update({k: v[j] for k, v in extra.items()})
+                        by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], cfg.ddtree_budgets)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
         draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response else []))
         for p in sampled.tolist():
             by_anchor[p]["all_anchors"] = True
         if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
-            for budget in [None, *cfg.ddtree_budgets]:
-                walk(by_anchor, start, budget, missing=lambda p: draft(list(range(p, min(p + B, length - 1)))))
+            for variant in walk_variants(cfg.ddtree_budgets, selector is not None):
+                walk(by_anchor, start, variant, missing=lambda p: draft(list(range(p, min(p + B, length - 1)))))
         records += [by_anchor[p] for p in sorted(by_anchor)]
         progress.update()
     progress.close()
     drafter.train(was_training)
     return records
+
+
+def dflash2_fields(selector, hidden, logits, blocks, target, chunk, cfg, start) -> tuple[torch.Tensor, dict]:
+    """DFlash 2's drafted tokens [n, S] (the selector's, the gold previous token as predecessor: its chain streak
+    is the live walk's) and per-record fields: `unary_tokens` (the argmax path), `oracle_tokens` (the gold token
+    where the unary top-K holds it, else -1: the selector's ceiling), and the selector's transition tables
+    (candidates and conditional log-probs, `pair_tables`) for its pairwise DDTree."""
+    prev = blocks.labels[0, :, :-1]  # slot k's predecessor is x_{p+k-1}: the anchor token at slot 1
+    choice, cand = teacher_forced_choice(selector, hidden, logits, prev)
+    gold = target.to(cand.device)
+    held = (cand == gold[..., None]).any(-1) & (gold >= 0)
+    oracle = torch.where(held, gold, torch.full_like(gold, -1))
+    cand_t, first, table = selector_tables(selector, hidden, logits, blocks.labels[0, :, 0])
+    first, table = torch.log_softmax(first, -1), torch.log_softmax(table, -1)
+    extra = {"unary_tokens": logits.argmax(-1).tolist(), "oracle_tokens": oracle.tolist(),
+             "pair_tables": list(zip(cand_t.tolist(), first.tolist(), table.tolist()))}
+    return choice, extra
+
+
+def pair_accepted(record: dict, budgets: list[int]) -> dict:
+    """{budget: drafts the selector's pairwise DDTree of that many nodes accepts}, the tree at most as deep as
+    live decoding verifies there (dflash.evaluate.walk.verify_depth); the tables are dropped from the record."""
+    cand, first, table = record.pop("pair_tables")
+    depth = verify_depth(record)
+    return {str(b): accepted_length(build_tree_pairwise(cand, first, table, b, max_depth=depth),
+                                    record["target_tokens"]) for b in budgets}
 
 
 def block_correct(draft: torch.Tensor, target: torch.Tensor):
@@ -116,11 +151,16 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
     training's random anchors give. The tau histogram is the walk's.
     """
     every = [r for r in records if r.get("all_anchors", True)]
+    dflash2 = bool(records) and "unary_tokens" in records[0]
     rows = []
     if every:
         correct, _ = block_correct(torch.tensor([r["draft_tokens"] for r in every]),
                                    torch.tensor([r["target_tokens"] for r in every]))
         streak = metrics.streaks(correct).tolist()
+        if dflash2:
+            unary, _ = block_correct(torch.tensor([r["unary_tokens"] for r in every]),
+                                     torch.tensor([r["target_tokens"] for r in every]))
+            oracle = metrics.streaks(torch.tensor([[t >= 0 for t in r["oracle_tokens"]] for r in every])).tolist()
     for n, r in enumerate(every):
         row = {f"acc@{k}": float(c) for k, c in enumerate(correct[n].tolist(), 1)}
         row["streak_all_anchors"] = float(streak[n])
@@ -128,6 +168,12 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         row["full_all_anchors"] = float(streak[n] == block_size - 1)  # every drafted token accepted (tau = B)
         for b in budgets:
             row[f"ddtree@{b}_all_anchors"] = float(ddtree_tau(r["topk_ids"], r["topk_logprobs"], r["target_tokens"], b))
+        if dflash2:  # acc@k is the selector's (the drafted tokens); the argmax path's and the oracle's beside it
+            row.update({f"unary_acc@{k}": float(c) for k, c in enumerate(unary[n].tolist(), 1)})
+            row["tau_unary_all_anchors"] = metrics.streaks(unary[n]).item() + 1.0
+            row["tau_oracle_all_anchors"] = oracle[n] + 1.0
+            for b in budgets:
+                row[f"ddtree_pair@{b}_all_anchors"] = r["pair_accepted"][str(b)] + 1.0
         rows.append((r["prompt_id"], row))
     by_prompt: dict[str, dict[int, dict]] = {}
     for r in records:
@@ -136,10 +182,10 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         start = next((a for a, r in by_anchor.items() if r.get("walk_start")), None)
         if start is None:  # records of an older evaluation: no walk
             continue
-        for b in [None, *budgets]:
-            for _, tau in walk(by_anchor, start, b):
-                rows.append((pid, {"tau": float(tau), "full": float(tau == block_size)} if b is None else
-                             {f"ddtree@{b}": float(tau)}))
+        for variant in walk_variants(budgets, dflash2):
+            for _, tau in walk(by_anchor, start, variant):
+                rows.append((pid, {"tau": float(tau), "full": float(tau == block_size)} if variant is None else
+                             {variant_key(variant): float(tau)}))
 
     def means(rs: list[dict]) -> dict:
         sums, counts = {}, {}

@@ -11,6 +11,11 @@ A record (dflash.evaluate.teacher_forced) carries what the walk needs besides th
 commit there (eval.max_new_tokens minus those already generated). Live verification drafts at most
 `room - 1` tokens (the bonus fills the room) and keeps nothing past the completion's end (a stop
 token ends it), so a block's walk tau is min(accepted + 1, left), its tree built `room - 1` deep.
+
+A walk follows one verifier (`variant`): None, the drafted chain (DFlash 2: the selector's path); an int N,
+the DDTree of N nodes from the per-slot marginals; and for DFlash 2 records "unary" (the argmax chain),
+"oracle" (gold inside the unary top-K at every slot: the selector's ceiling) and "pair@N" (the DDTree of
+N nodes from the selector's pairwise scores, whose accepted length the record carries).
 """
 
 from __future__ import annotations
@@ -23,13 +28,36 @@ def verify_depth(record: dict) -> int:
     return max(0, min(len(record["draft_tokens"]), record["room"] - 1))
 
 
-def walk_tau(record: dict, budget: int | None = None) -> int:
-    """Tokens live decoding commits at this block: the drafted path (budget None) or ddtree@budget."""
+CHAINS = {None: "draft_tokens", "unary": "unary_tokens", "oracle": "oracle_tokens"}
+
+
+def walk_variants(budgets: list[int], dflash2: bool) -> list:
+    """The verifiers a record set is walked with: the chain and each DDTree budget; DFlash 2 adds the unary and
+    oracle chains and the pairwise DDTree per budget."""
+    extra = ["unary", "oracle", *[f"pair@{b}" for b in budgets]] if dflash2 else []
+    return [None, *budgets, *extra]
+
+
+def variant_key(variant, suffix: str = "") -> str:
+    """The metric name of a walk: tau, ddtree@N, tau_unary, tau_oracle, ddtree_pair@N (+ suffix)."""
+    if variant is None or variant in ("unary", "oracle"):
+        return "tau" + ("" if variant is None else f"_{variant}") + suffix
+    if isinstance(variant, str):
+        return f"ddtree_{variant}{suffix}"
+    return f"ddtree@{variant}{suffix}"
+
+
+def walk_tau(record: dict, budget=None) -> int:
+    """Tokens live decoding commits at this block with verifier `budget` (a walk variant, see above: None the
+    drafted path, N ddtree@N)."""
     path = record["target_tokens"]
-    if budget is None:
+    if isinstance(budget, str) and budget.startswith("pair@"):
+        accepted = record["pair_accepted"][budget.removeprefix("pair@")]
+    elif budget is None or isinstance(budget, str):
+        tokens = record[CHAINS[budget]]
         depth = verify_depth(record)
         accepted = 0
-        while accepted < min(depth, len(path)) and record["draft_tokens"][accepted] == path[accepted]:
+        while accepted < min(depth, len(path)) and tokens[accepted] == path[accepted]:
             accepted += 1
     else:
         tree = build_tree(record["topk_ids"], record["topk_logprobs"], budget, max_depth=verify_depth(record))
@@ -37,7 +65,7 @@ def walk_tau(record: dict, budget: int | None = None) -> int:
     return min(accepted + 1, record["left"])
 
 
-def walk(by_anchor: dict[int, dict], start: int, budget: int | None = None, missing=None) -> list[tuple[dict, int]]:
+def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> list[tuple[dict, int]]:
     """(record, tau) of each block on the decoding walk from `start`, the last partial block included.
 
     by_anchor: a prompt's records by anchor. missing(anchor): called for an anchor the walk reaches

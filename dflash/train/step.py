@@ -28,7 +28,7 @@ import torch
 from dflash.data.cache import dequantize
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed
-from dflash.drafter.loss import block_loss, label_logits
+from dflash.drafter.loss import block_terms, label_logits
 from dflash.errors import ConfigError, TrainingError
 from dflash.target.features import target_forward
 from dflash.train.batches import Batch, add_noise, map_tensors
@@ -122,6 +122,11 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     dpace_by_weights = cfg.weighting == "dpace" and cfg.normalizer == "weights"  # normaliser known after forwards
     by_anchor = cfg.normalizer == "anchor" or dpace_by_weights
     total_w = global_weight(acc, micro, valid_anchors if by_anchor else (lambda b: b.weight_sum))
+    selector = m.drafter.candidate_selector if cfg.selector_weight > 0 else None
+    if selector is not None:  # DFlash 2: the selector's CE over the step's decay weights (one more collective
+        # only when the per-slot loss has another normaliser)
+        decay_w = total_w if not by_anchor and cfg.weighting == "decay" else global_weight(acc, micro)
+        selector_scale = cfg.selector_weight * acc.num_processes / decay_w.clamp_min(1e-12)
     soft, dyn_weights = cfg.objective == "kl", []
     options = {} if cfg.objective == "decay_ce" else {"weighting": cfg.weighting, "alpha": cfg.alpha}
     scale = acc.num_processes / total_w.clamp_min(1e-12)  # DDP averages gradients over processes
@@ -143,19 +148,28 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                 rows = to_device(batch.label_rows, dev)
                 if soft:
                     options.update(soft_targets(batch, logits, blocks, rows, dev))
-                loss_sum, w_sum, pred = block_loss(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask,
-                                                   gamma, job.loss.chunk_logits, rows=rows, **options)
-            acc.backward(loss_sum * scale)
+                terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
+                                    job.loss.chunk_logits, rows=rows, selector=selector, **options)
+                loss_sum = terms.loss_sum
+            acc.backward(loss_sum * scale if selector is None else loss_sum * scale
+                         + terms.selector_sum * selector_scale)
         if dpace_by_weights:
-            dyn_weights.append(w_sum.detach())
-        losses.append(loss_sum.detach())
-        window["loss_sum"] = window.get("loss_sum", 0.0) + losses[-1].double()
-        window["counts"] = metrics.add(window.get("counts"), metrics.count(pred, blocks.labels, blocks.label_mask))
+            dyn_weights.append(terms.weight_sum.detach())
+        losses.append(loss_sum.detach() if selector is None else loss_sum.detach() + terms.selector_sum.detach())
+        window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.detach().double()
+        counts = metrics.count(terms.predictions, blocks.labels, blocks.label_mask)
+        if selector is not None:  # the selector's choices are what a DFlash 2 drafter drafts: train/tau is theirs
+            window["selector_sum"] = window.get("selector_sum", 0.0) + terms.selector_sum.detach().double()
+            unary = {f"unary_{k}": v for k, v in counts.items()}
+            counts = {**metrics.count(terms.selector_predictions, blocks.labels, blocks.label_mask), **unary}
+        window["counts"] = metrics.add(window.get("counts"), counts)
         window["tokens"] = window.get("tokens", 0) + batch.num_tokens
         window["anchors"] = window.get("anchors", 0) + batch.num_blocks
     if dpace_by_weights:
         total_w = rescale_gradients(acc, m.model, total_w, dyn_weights)
     window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
+    if selector is not None:
+        window["selector_weight"] = window.get("selector_weight", 0.0) + decay_w
     grad_norm = acc.clip_grad_norm_(m.model.parameters(), job.optim.grad_clip or float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
     check_finite(acc, run, micro, losses, grad_norm)
@@ -196,14 +210,20 @@ def window_totals(acc, window: dict) -> dict:
     tensors for metrics.finalize). One all_reduce and one device-to-host copy."""
     counts = window["counts"]
     host = torch.tensor([window["tokens"], window["anchors"]], dtype=torch.float64)
-    parts = [window["loss_sum"].reshape(1), host.to(acc.device)] + [v.reshape(-1) for v in counts.values()]
+    zero = torch.zeros(1, dtype=torch.float64, device=acc.device)
+    selector = window.get("selector_sum", zero).reshape(1)  # DFlash 2's selector CE (0 for DFlash)
+    parts = [window["loss_sum"].reshape(1), host.to(acc.device), selector] + [v.reshape(-1) for v in counts.values()]
     summed = torch.cat(parts)
     if acc.num_processes > 1:
         summed = acc.reduce(summed, reduction="sum")
-    values = torch.cat([summed, window["weight"].reshape(1), window["grad_norm"].double().reshape(1)]).cpu()
-    loss_sum, tokens, anchors = values[:3].tolist()
+    values = torch.cat([summed, window["weight"].reshape(1), window.get("selector_weight", zero).reshape(1),
+                        window["grad_norm"].double().reshape(1)]).cpu()
+    loss_sum, tokens, anchors, selector_sum = values[:4].tolist()
     sizes = [v.numel() for v in counts.values()]
-    split = values[3:3 + sum(sizes)].split(sizes)
-    return {"loss_sum": loss_sum, "tokens": tokens, "anchors": anchors, "weight": float(values[-2]),
-            "grad_norm": float(values[-1]),
-            "counts": {k: part.reshape(v.shape) for (k, v), part in zip(counts.items(), split)}}
+    split = values[4:4 + sum(sizes)].split(sizes)
+    out = {"loss_sum": loss_sum, "tokens": tokens, "anchors": anchors, "weight": float(values[-3]),
+           "grad_norm": float(values[-1]),
+           "counts": {k: part.reshape(v.shape) for (k, v), part in zip(counts.items(), split)}}
+    if "selector_sum" in window:
+        out.update(selector_sum=selector_sum, selector_weight=float(values[-2]))
+    return out

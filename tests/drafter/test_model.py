@@ -103,7 +103,10 @@ def test_save_load_round_trip_is_exact(tmp_path):
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["dflash_config"] == {"target_layer_ids": [1, 5, 9], "mask_token_id": 299}
+    # causal sliding + non-causal full layers: the layer-type default every server reads alike, said explicitly
+    assert config["dflash_config"] == {"target_layer_ids": [1, 5, 9], "mask_token_id": 299, "use_swa": True,
+                                       "swa_window_size": 6}
+    assert "is_causal" not in config
     assert (config["block_size"], config["num_target_layers"], config["sliding_window"]) == (8, 12, 6)
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert set(load_file(tmp_path / "model.safetensors")) == ZLAB_KEYS

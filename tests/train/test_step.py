@@ -126,14 +126,15 @@ def test_flex_masks_are_built_without_reading_back():
 def test_a_non_finite_micro_batch_is_named_after_the_steps_one_check(workdir, monkeypatch):
     """The check runs once, after the step's four backwards; the message still names the micro-batch (step 2,
     micro-batch 2: the 7th loss) and no update was made with it (the step-1 checkpoint is the last)."""
-    real, calls = stepping.block_loss, {"n": 0}
+    real, calls = stepping.block_terms, {"n": 0}
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
-        loss_sum, w, pred = real(*args, **kwargs)
-        return (loss_sum * float("nan") if calls["n"] == 7 else loss_sum), w, pred
+        terms = real(*args, **kwargs)
+        terms.loss_sum = terms.loss_sum * float("nan") if calls["n"] == 7 else terms.loss_sum
+        return terms
 
-    monkeypatch.setattr(stepping, "block_loss", poisoned)
+    monkeypatch.setattr(stepping, "block_terms", poisoned)
     with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at step 2 \(epoch 0, micro-batch 2, sequences "
                                             r"\['tiny-.*step-000001 is untouched"):
         loop.train(job_for(workdir, "nan4", "train.grad_accum=4", "train.max_steps=3", "train.save_every=1"))

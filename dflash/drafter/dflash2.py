@@ -1,0 +1,184 @@
+"""DFlash 2's two parts (DESIGN §2b): the grouped dynamic causal convolution and the candidate selector.
+
+The drafter model (dflash.drafter.model) switches them on when its config carries the DFlash 2 keys
+(`dflash_config.conv_kernel_size` ...); this module holds the parts and their pure functions. Like the
+model module it imports torch only, and is copied beside it into every export (trust_remote_code loads).
+
+Convolution: two per decoder layer, around the attention and around the MLP, inside the residual
+branch after the layer's norm. On the sublayer's input x [b, q, H] a projection gives dynamic taps
+d [b, q, 2, k, G] (G = H / group_size groups, one tap per group shared by its channels); before the
+sublayer x' = conv(x, base[0], d[:, :, 0]), after it y' = conv(y, base[1], d[:, :, 1]) with
+
+    conv(z, b, d)[t] = sum_{o < k} (b[o] + d[t, o, group]) * z[t - o]
+
+per channel, and z[t - o] = 0 before the first slot of t's block: one-block inference never sees
+another block, so the packed training forward cuts its queries into blocks and zeroes those taps at
+each block start. Identity init (b[.., 0] = 1, the rest 0, projection 0) makes a fresh DFlash 2
+layer compute exactly the DFlash layer.
+
+Selector: on the block's output hidden states h of the drafted slots, the target head's logits give
+the unary scores; the K best are the candidates, and candidate c after predecessor token a scores
+
+    score(c | a) = unary(c) + sum_r P[a, r] (W h)[r] S[c, r]
+
+(P, S: [V, r] codebooks; W: H -> r). Slot 1's predecessor is the anchor token, each next slot's the
+token chosen before it. Temperature 0 takes the argmax; T > 0 samples from softmax(score / T) over
+the K candidates (zero off them), the draft distribution rejection sampling verifies against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""dflash_config keys of a DFlash 2 drafter (their presence makes a config DFlash 2)."""
+
+
+def grouped_dynamic_conv(z: torch.Tensor, base: torch.Tensor, dynamic: torch.Tensor, group_size: int,
+                         block_len: int) -> torch.Tensor:
+    """The grouped dynamic causal convolution of z [b, q, H], blocks of `block_len` queries apart.
+
+    base: [k, H] static taps per channel; dynamic: [b, q, k, G] taps per group (G = H / group_size).
+    q must be a multiple of block_len (packed blocks) or at most block_len (one, maybe partial, block).
+    Returns [b, q, H]; a tap reaching before its block's first slot reads 0.
+    """
+    b, q, H = z.shape
+    k, groups = base.shape[0], H // group_size
+    block_len = min(block_len, q)
+    if q % block_len:
+        raise ValueError(f"{q} queries are not whole blocks of {block_len}")
+    n = q // block_len
+    blocks = z.reshape(b, n, block_len, groups, group_size)
+    taps = dynamic.reshape(b, n, block_len, k, groups, 1)
+    static = base.reshape(k, groups, group_size).to(z.dtype)
+    out = None
+    for o in range(min(k, block_len)):
+        shifted = blocks if o == 0 else F.pad(blocks[:, :, :-o], (0, 0, 0, 0, o, 0))  # zeros before the block
+        term = (static[o] + taps[:, :, :, o].to(z.dtype)) * shifted
+        out = term if out is None else out + term
+    return out.reshape(b, q, H)
+
+
+class GroupedDynamicConv(nn.Module):
+    """`base_kernel` [2, k, H] and `kernel_projection` H -> 2 k G, the published names."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"conv_group_size={group_size} does not divide the hidden size {hidden_size}")
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(identity_kernel(kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def prepare(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, q, H] -> (x convolved before the sublayer, the taps `finish` applies after it)."""
+        taps = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return (grouped_dynamic_conv(x, self.base_kernel[0], taps[..., 0, :, :], self.group_size, block_len),
+                taps[..., 1, :, :])
+
+    def finish(self, y: torch.Tensor, taps: torch.Tensor, block_len: int) -> torch.Tensor:
+        return grouped_dynamic_conv(y, self.base_kernel[1], taps, self.group_size, block_len)
+
+
+def identity_kernel(kernel_size: int, hidden_size: int) -> torch.Tensor:
+    """[2, k, H]: tap 0 is 1, the others 0 (with a zero projection the convolution is the identity)."""
+    base = torch.zeros(2, kernel_size, hidden_size)
+    base[:, 0] = 1.0
+    return base
+
+
+class CandidateSelector(nn.Module):
+    """`predecessor_codebook` / `successor_codebook` [V, r] (stored without `.weight`, as published) and
+    `hidden_projection` H -> r."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.normal_(self.successor_codebook, std=0.02)
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [..., V] -> (unary scores [..., K], candidate ids [..., K]), best first."""
+        return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
+
+    def pairwise(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]."""
+        mixed = F.embedding(prev, self.predecessor_codebook) * self.hidden_projection(hidden)
+        return torch.einsum("...r,...kr->...k", mixed, F.embedding(cand, self.successor_codebook).to(mixed.dtype))
+
+    def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
+               prev: torch.Tensor) -> torch.Tensor:
+        """Each candidate's score after the given predecessor tokens: [..., K] (prev [...])."""
+        return unary.float() + self.pairwise(hidden, prev, cand).float()
+
+    def transitions(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
+                    anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every score the selector's walk can meet, from one batched product.
+
+        hidden [b, S, H], unary/cand [b, S, K] of the S drafted slots, anchor [b]. Returns
+        (first [b, K]: slot 1's scores after the anchor, table [b, S-1, K, K]: table[:, s, i, j] = score of
+        candidate j at slot s+2 after candidate i of slot s+1). A predecessor inside the walk is always a
+        candidate of the slot before, so these are all the walk (greedy or sampled) and a tree read.
+        """
+        first = self.scores(hidden[:, 0], unary[:, 0], cand[:, 0], anchor)
+        if cand.shape[1] < 2:
+            return first, unary.new_zeros(cand.shape[0], 0, cand.shape[2], cand.shape[2]).float()
+        mixed = F.embedding(cand[:, :-1], self.predecessor_codebook) * self.hidden_projection(hidden[:, 1:])[:, :, None]
+        pair = torch.einsum("bsir,bsjr->bsij", mixed, F.embedding(cand[:, 1:], self.successor_codebook).to(mixed.dtype))
+        return first, unary[:, 1:, None, :].float() + pair.float()
+
+
+def walk_path(first: torch.Tensor, table: torch.Tensor, cand: torch.Tensor, depth: int | None = None,
+              temperature: float = 0.0, draw=None) -> tuple[list[int], list[torch.Tensor]]:
+    """The selector's path for one block: (tokens, the distribution each was drawn from).
+
+    first [K], table [S-1, K, K], cand [S, K] (one block, see `CandidateSelector.transitions`); depth: slots to
+    walk (default all S). Temperature 0 takes the best candidate (the returned distributions are one-hot);
+    T > 0 draws from softmax(score / T) over the K candidates with draw(probs [K], slot) -> index.
+    The greedy walk reads its argmax table back once: no per-slot sync.
+    """
+    S = cand.shape[0] if depth is None else min(depth, cand.shape[0])
+    if S <= 0:
+        return [], []
+    if temperature <= 0:
+        best_first, best = int(first.argmax()), table.argmax(-1).tolist()  # [S-1][K]: next index after index i
+        idx = [best_first]
+        for s in range(S - 1):
+            idx.append(best[s][idx[-1]])
+        ids = cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist()
+        eye = torch.eye(cand.shape[1], device=cand.device)
+        return ids, [eye[i] for i in idx]
+    rows, idx = [], []
+    row = first
+    for s in range(S):
+        probs = torch.softmax(row.float() / temperature, -1)
+        rows.append(probs)
+        idx.append(int(draw(probs, s)))
+        if s + 1 < S:
+            row = table[s, idx[-1]]
+    return cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist(), rows
+
+
+def selector_tables(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
+                    anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(candidates [b, S, K], first [b, K], table [b, S-1, K, K]) of blocks' drafted slots: hidden [b, S, H],
+    logits [b, S, V] (the target head's, the unary scores), anchor [b] (`CandidateSelector.transitions`)."""
+    unary, cand = selector.candidates(logits)
+    first, table = selector.transitions(hidden, unary, cand, anchor)
+    return cand, first, table
+
+
+def teacher_forced_choice(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
+                          prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(choice [..., S], candidates [..., S, K]) with the gold previous token prev [..., S] as predecessor. While
+    the choices match the gold tokens this is the selector's own walk, so its streak is the walk's."""
+    unary, cand = selector.candidates(logits)
+    scores = selector.scores(hidden, unary, cand, prev)
+    return cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0], cand
