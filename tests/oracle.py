@@ -12,10 +12,20 @@ class OracleDrafter(DFlashDraftModel):
     target's head maps it back to that token (checked by `check_head`).
     """
 
-    def __init__(self, target, truth: list[int], block_size=8, wrong=None, layer_ids=(1, 3), scale: float = 50.0):
+    def __init__(self, target, truth: list[int], block_size=8, wrong=None, layer_ids=(1, 3), scale: float = 50.0,
+                 selector_scale: float | None = None):
+        """selector_scale: a DFlash 2 oracle, its selector's codebooks this many times their init (large enough,
+        the pairwise scores overrule the unary ones now and then: its path is not the argmax path)."""
+        keys = None if selector_scale is None else {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                    "selector_rank": 16, "selector_top_k": 4}
         config = drafter_config(target.config, num_layers=1, block_size=block_size, target_layer_ids=list(layer_ids),
-                                mask_token_id=target.mask_token_id)
+                                mask_token_id=target.mask_token_id, dflash2=keys)
         super().__init__(config)
+        if selector_scale is not None:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                for p in self.candidate_selector.parameters():
+                    p.normal_(0.0, selector_scale)
         self.truth, self.wrong = list(truth), wrong or (lambda p, k: False)
         self.head = target.lm_head.weight.detach().float()
         self.scale = scale  # larger: the drafted distributions are sharper (argmax unchanged)

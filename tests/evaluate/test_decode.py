@@ -120,3 +120,26 @@ def test_sliding_window_target_decodes_losslessly():
     oracle = OracleDrafter(target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0)
     res = speculative_generate(oracle, target, ids, 40)
     assert torch.equal(res.output_ids, plain) and max(res.acceptance_lengths) > 2
+
+
+@pytest.mark.parametrize("tree_budget,tree", [(None, "marginal"), (6, "marginal"), (6, "pairwise")])
+def test_dflash2_drafts_its_selector_path_losslessly(tiny_target, tree_budget, tree):
+    """A DFlash 2 drafter drafts the selector's path (not the argmax one) and its pairwise trees; the output is
+    plain greedy decoding token for token, one target forward a block."""
+    ids = prompt(2)
+    plain = greedy_generate(tiny_target, ids, 48)
+    oracle = OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, scale=5000.0,
+                           selector_scale=3.0)
+    res = speculative_generate(oracle, tiny_target, ids, 48, tree_budget=tree_budget, tree=tree)
+    assert torch.equal(res.output_ids, plain)
+    assert res.target_forwards == 1 + len(res.acceptance_lengths) and max(res.acceptance_lengths) > 1
+    if tree_budget is None:  # the selector overrules the oracle's argmax (the DFlash 1 oracle's drafts) now and then
+        unary = OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, scale=5000.0)
+        assert speculative_generate(unary, tiny_target, ids, 48).draft_tokens[0] != res.draft_tokens[0]
+
+
+def test_a_pairwise_tree_needs_a_dflash2_drafter(tiny_targets):
+    target = tiny_targets["tiny_qwen3"]
+    oracle = OracleDrafter(target, list(range(40)))
+    with pytest.raises(ValueError, match="DFlash 2's selector"):
+        speculative_generate(oracle, target, prompt(), 8, tree_budget=4, tree="pairwise")

@@ -57,27 +57,37 @@ class One:
         return self.set[self.i]
 
 
-def walk_equals_live(job, target, budgets):
+def walk_equals_live(job, target, budgets, selector_scale=None):
+    """selector_scale: a DFlash 2 oracle (tests.oracle): its selector's chain and pairwise trees, and the unary
+    chain (what the DFlash 1 oracle of the same weights drafts live) walk as they decode."""
     heldout.prepare(job, target, [1, 3], Dist())
     eval_set = heldout.load(job, target, [1, 3])
-    stops, checked = target.stop_token_ids(), 0
+    stops, checked, differ = target.stop_token_ids(), 0, 0
     for i in range(len(eval_set)):
         ids, mask, _ = eval_set[i]
         start = int(mask.nonzero()[0])
-        oracle = OracleDrafter(target, ids.tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, layer_ids=(1, 3))
+        wrong = lambda p, k: (p * 7 + k) % 5 == 0  # noqa: E731
+        oracle = OracleDrafter(target, ids.tolist(), wrong=wrong, layer_ids=(1, 3), selector_scale=selector_scale)
         records = teacher_forced(oracle, target.embed_tokens, target.lm_head, One(eval_set, i), job.eval)
         by_anchor = {r["anchor"]: r for r in records}
-        for budget in [None, *budgets]:
-            live = speculative_generate(oracle, target, ids[None, :start], job.eval.max_new_tokens,
-                                        tree_budget=budget, stop_token_ids=stops)
+        variants = [(b, b, "marginal", oracle) for b in [None, *budgets]]
+        if selector_scale is not None:
+            unary = OracleDrafter(target, ids.tolist(), wrong=wrong, layer_ids=(1, 3))
+            variants += [("unary", None, "marginal", unary), *[(f"pair@{b}", b, "pairwise", oracle) for b in budgets]]
+        for variant, budget, tree, drafter in variants:
+            live = speculative_generate(drafter, target, ids[None, :start], job.eval.max_new_tokens,
+                                        tree_budget=budget, stop_token_ids=stops, tree=tree)
             assert torch.equal(live.output_ids[0], ids)  # the held-out answer is the target's greedy one
-            steps = walk(by_anchor, start, budget)
-            assert [tau for _, tau in steps] == live.acceptance_lengths, (i, budget)
-            if budget is None:  # accepted runs of many lengths: the walk is not trivially every position
-                assert max(live.acceptance_lengths) > 2 and min(live.acceptance_lengths) < 8
+            steps = walk(by_anchor, start, variant)
+            assert [tau for _, tau in steps] == live.acceptance_lengths, (i, variant)
+            if budget is None and drafter.candidate_selector is None:  # accepted runs of many lengths: the walk is
+                assert max(live.acceptance_lengths) > 2 and min(live.acceptance_lengths) < 8  # not every position
             checked += 1
+        if selector_scale is not None:  # the selector's path is not the argmax one (on some prompt)
+            differ += [tau for _, tau in walk(by_anchor, start)] != [tau for _, tau in walk(by_anchor, start, "unary")]
         m = summarize(records, oracle.block_size, budgets)["metrics"]
         assert m["eval/tau"] == pytest.approx(sum(t for _, t in walk(by_anchor, start)) / m["eval/blocks"])
+    assert selector_scale is None or differ
     return checked
 
 
@@ -89,6 +99,17 @@ def test_walk_tau_equals_live_tau_per_block_on_the_tiny_targets(name, tiny_targe
     job = compose("evaluate", ["debug=tiny", f"target={name}", "eval.max_new_tokens=40", "eval.max_prompts=2",
                                f"eval.ddtree_budgets={budgets}", f"features.dir={tmp_path}/cache"])
     assert walk_equals_live(job, target, budgets) == 2 * (1 + len(budgets))
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
+def test_dflash2_walks_equal_live_decoding_per_block(name, tiny_targets, tmp_path):
+    """The selector's chain (teacher-forced with gold predecessors, whose streak is its own walk's), its pairwise
+    DDTree and the unary chain: each block's walk tau is live decoding's."""
+    target = tiny_targets[name]
+    budgets = [4] if target.is_hybrid else [4, 8]
+    job = compose("evaluate", ["debug=tiny", f"target={name}", "eval.max_new_tokens=40", "eval.max_prompts=2",
+                               f"eval.ddtree_budgets={budgets}", f"features.dir={tmp_path}/cache"])
+    assert walk_equals_live(job, target, budgets, selector_scale=0.3) == 2 * (2 + 2 * len(budgets))
 
 
 @pytest.mark.slow

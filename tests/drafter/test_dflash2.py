@@ -1,0 +1,223 @@
+"""DFlash 2: the convolution at block boundaries, identity init, the selector's loss and trees, the published
+layout both ways (our export in the z-lab reference class, the reference's decoding equal to ours)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks
+from dflash.drafter.build import load_drafter, save_drafter
+from dflash.drafter.ddtree import build_tree, build_tree_pairwise
+from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
+from dflash.drafter.loss import block_terms, selector_ce, slot_weights
+from dflash.drafter.model import DFlashDraftModel, drafter_config
+from tests.drafter.test_model import TARGET, inputs
+from tests.zlab import reference
+
+B, MASK = 8, 299
+KEYS2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+
+
+def make_dflash2(layer_types=None, window=None, sliding_causal=False, seed=0, scale=0.05, keys=KEYS2):
+    """A DFlash 2 drafter with every weight moved off its init (convolutions no longer the identity)."""
+    torch.manual_seed(seed)
+    cfg = drafter_config(TARGET, num_layers=2, block_size=B, target_layer_ids=[1, 5, 9], mask_token_id=MASK,
+                         layer_types=layer_types, sliding_window=window, dflash2=keys, sliding_causal=sliding_causal)
+    model = DFlashDraftModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((1.0 if "conv" in name else scale) * torch.randn_like(p) * (0.3 if "conv" in name else 1))
+    return model
+
+
+def naive_conv(z, base, dynamic, group_size, block_len):
+    """conv(z, b, d)[t] = sum_o (b[o] + d[t, o, group]) z[t - o], zero before each block: one loop per entry."""
+    b, q, H = z.shape
+    out = torch.zeros_like(z)
+    for i in range(b):
+        for t in range(q):
+            for o in range(base.shape[0]):
+                if t % block_len - o < 0:
+                    continue
+                for c in range(H):
+                    out[i, t, c] += (base[o, c] + dynamic[i, t, o, c // group_size]) * z[i, t - o, c]
+    return out
+
+
+@pytest.mark.parametrize("k,block_len", [(2, 4), (3, 4), (2, 12)])
+def test_convolution_equals_its_formula_and_never_crosses_a_block(k, block_len):
+    g = torch.Generator().manual_seed(k)
+    z, base = torch.randn(2, 12, 8, generator=g), torch.randn(k, 8, generator=g)
+    dyn = torch.randn(2, 12, k, 2, generator=g)
+    out = grouped_dynamic_conv(z, base, dyn, 4, block_len)
+    assert (out - naive_conv(z, base, dyn, 4, block_len)).abs().max() < 1e-5
+    if block_len < 12:  # one long sequence would carry taps across the block starts: a different result
+        assert not torch.allclose(out, grouped_dynamic_conv(z, base, dyn, 4, 12))
+
+
+def test_a_fresh_dflash2_drafter_computes_the_dflash_drafter():
+    torch.manual_seed(0)
+    one = DFlashDraftModel(drafter_config(TARGET, num_layers=2, block_size=B, target_layer_ids=[1, 5, 9],
+                                          mask_token_id=MASK)).eval()
+    two = DFlashDraftModel(drafter_config(TARGET, num_layers=2, block_size=B, target_layer_ids=[1, 5, 9],
+                                          mask_token_id=MASK, dflash2=KEYS2)).eval()
+    assert two.kind == "dflash2" and one.kind == "dflash"
+    assert set(two.load_state_dict(one.state_dict(), strict=False).missing_keys) == {
+        k for k in two.state_dict() if "conv" in k or "selector" in k}
+    noise, feats, pos = inputs()
+    with torch.no_grad():
+        assert torch.equal(one(noise, feats, pos), two(noise, feats, pos))
+
+
+@pytest.mark.parametrize("layer_types,window,causal", [(None, None, False),
+                                                       (["sliding_attention", "full_attention"], 5, True),
+                                                       (["sliding_attention", "sliding_attention"], 5, False)])
+def test_packed_dflash2_forward_equals_one_block_inference(layer_types, window, causal):
+    """Taps and attention of packed training stop at every block start: block for block, what one-block
+    inference computes (anchors adjacent to each other included)."""
+    drafter = make_dflash2(layer_types, window, causal)
+    embed = torch.nn.Embedding(300, 64)
+    g = torch.Generator().manual_seed(3)
+    ids, feats = torch.randint(0, 290, (1, 30), generator=g), torch.randn(1, 30, 3 * 64, generator=g)
+    anchors = torch.tensor([1, 7, 8, 12, 13, 25, 29])
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [anchors], B, MASK)
+    with torch.no_grad():
+        packed = draft_packed(drafter, embed, feats, blocks)
+        for j, p in enumerate(anchors.tolist()):
+            one = draft_block(drafter, embed, feats[:, :p], ids[:, p], p)
+            assert (packed[0, j] - one[0]).abs().max() < 1e-5, p
+
+
+def test_selector_loss_puts_the_gold_token_among_the_candidates():
+    """Gold outside the unary top-K takes the K-th place; the CE is over K candidates, scored unary + pairwise
+    with the previous gold token as predecessor, and trains the codebooks and the projection."""
+    torch.manual_seed(0)
+    sel = CandidateSelector(16, 50, rank=8, top_k=4)
+    hidden = torch.randn(3, 16)
+    logits = torch.randn(3, 50, requires_grad=True)
+    order = logits.detach().argsort(-1, descending=True)
+    labels = torch.stack([order[0, 0], order[1, 2], order[2, 30]])  # in the top-4, in it, far outside it
+    prev = torch.tensor([5, 6, 7])
+    ce, choice = selector_ce(sel, hidden, logits, labels, prev)
+    for i in range(3):
+        cand = order[i, :4].clone()
+        if labels[i] not in cand:
+            cand[-1] = labels[i]
+        pair = (sel.predecessor_codebook[prev[i]] * sel.hidden_projection(hidden[i])) @ sel.successor_codebook[cand].T
+        scores = logits[i, cand] + pair
+        gold = int((cand == labels[i]).nonzero())
+        assert ce[i].item() == pytest.approx(F.cross_entropy(scores[None], torch.tensor([gold])).item(), rel=1e-5)
+        assert choice[i] == cand[scores.argmax()]
+    ce.sum().backward()
+    assert sel.predecessor_codebook.grad[5:8].abs().sum() > 0 and sel.hidden_projection.weight.grad.abs().sum() > 0
+    assert logits.grad[2, labels[2]] != 0  # the injected gold token is trained up
+
+
+def test_joint_loss_terms_weigh_the_selector_by_the_decay_weights():
+    torch.manual_seed(1)
+    sel = CandidateSelector(8, 40, rank=4, top_k=5)
+    hidden, W = torch.randn(2, 3, 4, 8), torch.randn(40, 8)
+    labels = torch.randint(0, 40, (2, 3, 4))
+    mask = torch.ones(2, 3, 4, dtype=torch.bool)
+    mask[..., 0] = False
+    mask[1, 2, 3] = False
+    terms = block_terms(hidden, W, labels, mask, 2.0, selector=sel)
+    rows = mask.reshape(-1).nonzero().flatten()
+    prev = torch.roll(labels, 1, -1).reshape(-1)[rows]  # slot k after slot k-1's label, slot 1 after the anchor
+    flat_h = hidden.reshape(-1, 8)[rows]
+    ce, choice = selector_ce(sel, flat_h, flat_h @ W.T, labels.reshape(-1)[rows], prev)
+    w = (slot_weights(4, 2.0) * mask).reshape(-1)[rows]
+    assert terms.selector_sum.item() == pytest.approx((ce * w).sum().item(), rel=1e-5)
+    assert terms.selector_weight_sum.item() == terms.weight_sum.item() == pytest.approx(w.sum().item())
+    assert torch.equal(terms.selector_predictions.reshape(-1)[rows], choice)
+    for kind in ({"weighting": "dpace"}, {"target_logits": torch.randn(len(rows), 40)}):  # any per-slot loss
+        other = block_terms(hidden, W, labels, mask, 2.0, selector=sel, **kind)
+        assert other.selector_sum.item() == pytest.approx(terms.selector_sum.item(), rel=1e-5)
+
+
+def test_the_selector_walk_follows_its_own_choices():
+    torch.manual_seed(2)
+    sel = CandidateSelector(16, 60, rank=8, top_k=5)
+    with torch.no_grad():
+        sel.predecessor_codebook.mul_(100)  # pairwise scores large enough to reorder the candidates
+        sel.successor_codebook.mul_(100)
+    hidden, logits, anchor = torch.randn(1, 6, 16), torch.randn(1, 6, 60), torch.tensor([3])
+    cand, first, table = (t[0] for t in selector_tables(sel, hidden, logits, anchor))
+    path, _ = walk_path(first, table, cand)
+    unary, cands = sel.candidates(logits[0])
+    prev, expected = 3, []
+    for s in range(6):  # the reference loop: one slot at a time, the previous choice as predecessor
+        scores = sel.scores(hidden[0, s], unary[s], cands[s], torch.tensor(prev))
+        prev = int(cands[s, scores.argmax()])
+        expected.append(prev)
+    assert path == expected and path != logits[0].argmax(-1).tolist()
+
+
+def test_pairwise_tree_without_pairwise_terms_is_the_marginal_tree():
+    """With rows that ignore the parent, the pairwise DDTree holds the marginal DDTree's nodes; the trees are
+    nested in the budget."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(5, 6, generator=g), -1)
+    cand = torch.randperm(100, generator=g)[:30].view(5, 6)
+    top = logp.sort(-1, descending=True)
+    ids = cand.gather(-1, top.indices)
+    table = logp[1:, None, :].expand(4, 6, 6)
+    for budget in (1, 4, 9, 20):
+        pair = build_tree_pairwise(cand.tolist(), logp[0].tolist(), table.tolist(), budget)
+        marginal = build_tree(ids.tolist(), top.values.tolist(), budget)
+        assert len(pair.tokens) == budget
+        assert sorted(zip(pair.depths, pair.tokens)) == sorted(zip(marginal.depths, marginal.tokens))
+    conditional = torch.log_softmax(torch.randn(4, 6, 6, generator=g), -1).tolist()
+    small, big = (build_tree_pairwise(cand.tolist(), logp[0].tolist(), conditional, n, max_depth=4) for n in (5, 12))
+    assert big.tokens[:5] == small.tokens and big.parents[:5] == small.parents and max(big.depths) <= 4
+
+
+def test_export_is_the_published_layout_and_loads_back_exactly(tmp_path):
+    model = make_dflash2(["sliding_attention", "sliding_attention"], 5, False)
+    save_drafter(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    assert config["dflash_config"] == {**KEYS2, "block_size": B, "mask_token_id": MASK, "target_layer_ids": [1, 5, 9],
+                                       "causal": False, "use_swa": True, "swa_window_size": 5}
+    assert config["is_causal"] is False
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight"} <= names
+    assert {f"layers.{i}.{c}.{w}" for i in range(2) for c in ("attention_conv", "mlp_conv")
+            for w in ("base_kernel", "kernel_projection.weight")} <= names
+    loaded = load_drafter(str(tmp_path))
+    assert type(loaded).__name__ == "DFlash2DraftModel" and loaded.kind == "dflash2"
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("layer_types,window,causal", [(None, None, False),
+                                                       (["sliding_attention", "sliding_attention"], 5, False),
+                                                       (["sliding_attention", "full_attention"], 5, True)])
+def test_the_zlab_reference_class_loads_our_export_and_computes_the_same(tmp_path, layer_types, window, causal):
+    """No missing or unexpected keys; the same hidden states with the reference's own masks (a non-causal sliding
+    layer: |q - k| < W), the same logits and the same proposals from its selector."""
+    ref = reference()
+    model = make_dflash2(layer_types, window, causal)
+    save_drafter(model, tmp_path)
+    theirs, info = ref.DFlash2DraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    theirs.eval()
+    noise, feats, pos = inputs(ctx=11, q=B)
+    head = torch.nn.Linear(64, 300, bias=False)
+    with torch.no_grad():
+        ours = model(noise, feats, pos)
+        out = theirs(position_ids=pos, noise_embedding=noise, target_hidden=feats)
+        assert (ours - out).abs().max() < 1e-5
+        hidden = ours[:, 1:]
+        logits = head(hidden)
+        anchor = torch.tensor([4, 9])
+        tokens, cand, _ = theirs.propose(out[:, 1:], anchor, head, 0.0)
+        for b in range(2):
+            tables = [t[0] for t in selector_tables(model.candidate_selector, hidden[b:b + 1], logits[b:b + 1],
+                                                    anchor[b:b + 1])]
+            assert walk_path(tables[1], tables[2], tables[0])[0] == tokens[b].tolist()
