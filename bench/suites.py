@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from bench import gpu
+from bench import dflash2, gpu
 from bench.measure import timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
@@ -327,7 +327,8 @@ def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
 
 SUITES = {"train_step": train_step, "extraction": extraction, "bytes_per_token": bytes_per_token,
           "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live, "feature_storage": feature_storage,
-          "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels}
+          "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels,
+          "dflash2": dflash2.dflash2_costs}
 
 GOALS = {
     "train_packed_over_loop@512": (">=", 10.0),
@@ -335,6 +336,8 @@ GOALS = {
     "bf16_bytes_over_bound": ("<=", 1.02),
     "fp8_bytes_over_bf16": ("<=", 0.52),
     "cache_read_over_train_consumption": (">=", 5.0),
+    "dflash2_train_step_over_dflash": ("<=", 1.10),
+    "dflash2_selector_walk_over_draft_forward": ("<", 0.05),
 }
 
 
@@ -356,6 +359,12 @@ def headline(b: dict) -> dict:
         h["eval_blocks_per_s"] = b["eval_blocks"]["blocks_per_s"]
     if "live" in b:
         h["live_tokens_per_target_forward"] = b["live"]["tokens_per_target_forward"]
+    if "dflash2" in b:  # the largest shape measured
+        last = list(b["dflash2"]["shapes"].values())[-1]
+        h["dflash2_train_step_over_dflash"] = last["train_step_ratio"]
+        h["dflash2_train_flops_over_dflash"] = last["train_step_flops_ratio"]
+        h["dflash2_draft_forward_over_dflash"] = last["draft_forward_ratio"]
+        h["dflash2_selector_walk_over_draft_forward"] = last["selector_walk_over_draft_forward"]
     if "feature_storage" in b and "skipped" not in b["feature_storage"]:
         h["fp8_minus_bf16_heldout_tau"] = b["feature_storage"]["fp8_tau_minus_bf16"]
     return h
