@@ -21,7 +21,7 @@ from bench.flops import train_flops
 from bench.measure import TensorPeak, timed
 from bench.plan import TARGETS
 from dflash.drafter.blocks import draft_packed, flex_padded_shape, pack_blocks, sample_anchors
-from dflash.drafter.loss import block_loss
+from dflash.drafter.loss import block_terms
 from dflash.drafter.model import DFlashDraftModel, drafter_config
 
 # Qwen3-8B (the target, as the memory plan holds its published config) and a small stand-in of the same
@@ -31,6 +31,7 @@ SMALL = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384, "num_
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 BLOCK, GAMMA, CHUNK_LOGITS = 16, 7.0, 2**27  # the recipe: B=16, gamma 7, loss.chunk_logits default
 QWEN3_6_PRESET = ["experiment=qwen3_6_27b", "train.mode=offline"]  # 3072 tokens, 512 anchors (the preset's)
+QWEN3_6_DFLASH2_PRESET = ["experiment=qwen3_6_27b_dflash2", "train.mode=offline"]  # the same, DFlash 2's shape
 
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring; first match wins.
 PEAK_BF16_TFLOPS = (("H200 NVL", 835), ("H200", 989), ("H100 NVL", 835), ("H100 PCIe", 756), ("H100", 989),
@@ -91,8 +92,9 @@ def loss_and_backward(drafter, embed, head_weight, feats, blocks, backend: str, 
     blocks per sequence as the padded block count); returns the loss."""
     with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft_packed(drafter, embed, feats, blocks, backend, num_blocks=blocks.anchors.shape[1])
-        loss_sum, weight, _ = block_loss(hidden, head_weight, blocks.labels, blocks.label_mask, gamma, chunk_logits)
-    loss = loss_sum / weight
+        terms = block_terms(hidden, head_weight, blocks.labels, blocks.label_mask, gamma, chunk_logits,
+                            selector=drafter.candidate_selector)  # DFlash 2: its selector's CE too
+    loss = (terms.loss_sum + (0 if terms.selector_sum is None else terms.selector_sum)) / terms.weight_sum
     loss.backward()
     return loss.item()
 

@@ -45,7 +45,7 @@ BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of 
 # a cold compile of flex attention, ~70 s, the Qwen3.6 one for two mask kinds at head dim 256), then the
 # rest side by side: 480 s in all, so that bench/gpu_check.sh with its install ends within 10 minutes
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
-            "fla_kernels": 150, "live_lossless": 150}
+            "fla_kernels": 150, "live_lossless": 150, "qwen3_6_dflash2_step": 150}
 ALONE = ("flex_train_step", "qwen3_6_step")  # their tokens/s need the GPU to themselves
 DEFAULT_BUDGET = 480
 
@@ -160,6 +160,19 @@ def qwen3_6_step(budget: float) -> dict:
     from bench.gpu import QWEN3_6_PRESET, preset_step
 
     return preset_verdict(preset_step(device, QWEN3_6_PRESET))
+
+
+def qwen3_6_dflash2_step(budget: float) -> dict:
+    """The published 27B DFlash 2 drafter's compiled flex step (5 non-causal sliding layers, blocks of 8, the
+    convolutions and the selector's loss) at 3072 tokens and 512 anchors, judged by `preset_verdict`: bench.plan's
+    DFlash 2 terms against the measured peak. Run beside the other checks: its tokens/s are not alone."""
+    device = _cuda()
+    if device is None:
+        return {"status": "SKIP", "summary": "needs CUDA (a 2.0B-parameter DFlash 2 drafter step through flex "
+                                             "attention)"}
+    from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_step
+
+    return preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET))
 
 
 def autocast_loss(budget: float) -> dict:
@@ -295,9 +308,10 @@ def live_lossless(budget: float) -> dict:
     return result
 
 
-GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels"}
+GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step"}
 CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
-          "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless}
+          "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless,
+          "qwen3_6_dflash2_step": qwen3_6_dflash2_step}
 
 
 def resolve(name: str):

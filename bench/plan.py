@@ -111,7 +111,11 @@ def drafter_shape(drafter, vocab: int, tied: bool = False, target=None) -> Shape
                  target_layers=len(drafter.target_layer_ids), params=sum(p.numel() for p in params),
                  layer_params=sum(p.numel() for p in drafter.layers[0].parameters()),
                  largest_param=max(p.numel() for p in params), tied=tied,
-                 layer_types=tuple(sorted(set(drafter.layer_types))), **extra)
+                 layer_types=tuple(sorted(set(drafter.layer_types))), dflash2=drafter.kind == "dflash2",
+                 selector_rank=(drafter.candidate_selector.predecessor_codebook.shape[1]
+                                if drafter.candidate_selector is not None else 0),
+                 selector_top_k=drafter.candidate_selector.top_k if drafter.candidate_selector is not None else 0,
+                 **extra)
 
 
 def target_config(cfg):
@@ -211,7 +215,9 @@ def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run
 def render(plan: dict, drafter, title: str) -> str:
     s, u = plan["shape"], plan["setup"]
     types = ", ".join(f"{t} x{drafter.layer_types.count(t)}" for t in dict.fromkeys(drafter.layer_types))
-    head = (f"drafter: {s['layers']} layers ({types}), {s['params'] / 1e9:.3f} B parameters, hidden {s['hidden']}, "
+    kind = (f"DFlash 2 (convolutions, selector top-{s['selector_top_k']} rank {s['selector_rank']}), "
+            if s.get("dflash2") else "")
+    head = (f"drafter: {kind}{s['layers']} layers ({types}), {s['params'] / 1e9:.3f} B parameters, hidden {s['hidden']}, "
             f"heads {s['heads']}/{s['kv_heads']} x {s['head_dim']}, MLP {s['intermediate']}, block {s['block_size']}, "
             f"fc from {s['target_layers']} target layers; vocab {s['vocab']} ({'tied' if s['tied'] else 'untied'})")
     step = (f"per GPU: {u['batch']} x {u['ctx_len']} context tokens, num_anchors {u['num_anchors']} "

@@ -62,6 +62,9 @@ class Shape:
     layer_types: tuple[str, ...] = ("full_attention",)  # distinct drafter layer types: one attention mask each
     target_intermediate: int = 0  # the target's MLP width: its forward's working set (online)
     target_largest: tuple[int, ...] = ()  # elements of the target's largest tensors, largest first (loading)
+    dflash2: bool = False  # DFlash 2: two grouped dynamic convolutions per layer (their weights are in params)
+    selector_rank: int = 0  # DFlash 2's selector: codebooks [vocab, rank] (in params, FSDP's root unit)
+    selector_top_k: int = 0
 
     @property
     def root_params(self) -> int:
@@ -156,6 +159,10 @@ def layer_activations(s: Shape, u: Setup) -> float:
     total += k * s.hidden * fed(2)  # cat(context, block) -> k_proj, v_proj
     total += q * hq * (4 + 4 * a) + q * s.heads * 4  # q_norm's input, normalised and rotated q, output, o_proj input
     total += q * s.intermediate * 4 * a  # gate, silu, up, their product
+    if s.dflash2:  # per convolution: its projection's input cast, the taps (a quarter of H, kept in the sublayer's
+        # dtype), and around the sublayer its output (attention's o_proj, the MLP's down_proj), which nothing else
+        # keeps; the normed inputs the convolutions keep are the norms' own outputs
+        total += 2 * q * s.hidden * (2 * a + (4 + a) / 8)
     if u.backend == "flex":
         return total + k * hkv * (4 + 3 * a)  # k_norm's input, normalised and rotated k; v
     keys, entries = sdpa_chunks(s, u)  # sdpa: keys and values cut per chunk of blocks, each with a float mask
@@ -204,6 +211,10 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     # the final norm's input and normalised output, the rows fed to lm_head, an unchunked log-softmax:
     # all freed before the layers' backward
     loss_side = q * H * 8 + rows * H * 4 + (rows * V * 4 if chunk_rows == rows else 0)
+    if s.selector_rank:  # DFlash 2's selector per labelled row: the candidates' successor codes and the predecessor's
+        # (compute dtype, as the product casts them), the projection's input cast and output, the unary top-K
+        r, K = s.selector_rank, s.selector_top_k
+        loss_side += rows * ((K + 2) * r * a + H * a + K * 12)
     # fc's bf16 input, hidden_norm's input and output, rotary cos/sin, the final norm's output (the result)
     outer = c * s.target_layers * H * (a if a < 4 else 0) + c * H * (4 + a) + 2 * k * s.head_dim * 4
     outer += q * H * 4 + loss_side
@@ -214,6 +225,8 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     t["recomputed layer (checkpointing)"] = per_layer - q * H * 4
     # a loss chunk in backward: its float32 log-softmax (recomputed when chunked), its gradient, the logits'
     t["loss logits buffer"] = chunk_rows * V * (12 if chunk_rows < rows else 8)
+    # DFlash 2: the codebooks' dense gradients as the embedding backward makes them, before accumulation
+    t["loss logits buffer"] += 2 * V * s.selector_rank * 4
     # a layer's forward: rotary temporaries of q and k, the float32 cat(context, block)
     t["layer forward working set"] = 8 * (q * s.heads + k * s.kv_heads) * s.head_dim + 4 * k * H
     # a layer's backward: the MLP's gradients in flight, down_proj's weight gradient, the residual's gradient

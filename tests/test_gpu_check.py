@@ -30,13 +30,13 @@ def test_gpu_check_runs_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
                          timeout=600, check=False)
     lines = run.stdout.splitlines()
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels"):
+    for name in ("flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step"):
         assert any(line.startswith(f"SKIP {name} needs CUDA") for line in lines), run.stdout
     for name in ("install", "autocast_loss", "live_lossless"):
         assert any(line.startswith(f"PASS {name} ") for line in lines), run.stdout
     [path] = tmp_path.glob("*-gpu-check.json")
     report = json.loads(path.read_text())
-    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 4} and report["complete"] and not report["pending"]
+    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 5} and report["complete"] and not report["pending"]
     assert report["checks"]["live_lossless"]["runs"] and report["checks"]["autocast_loss"]["loss_rel_diff"] < 1e-2
 
 
@@ -242,16 +242,31 @@ def test_the_qwen3_6_preset_is_the_published_drafter_at_the_recipe_shape():
     assert setup.allowance == 0 and setup.fragmentation == 0 and not setup.online
 
 
-def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets):
-    """The qwen3_6_step code path at a tiny size (sdpa, a sliding and a full layer, float32 on CPU): it
-    reports its figures, and bench.plan's estimate is within 15% of the tensors TensorPeak counts."""
+def test_the_dflash2_preset_is_the_published_27b_dflash2_drafter():
+    """What qwen3_6_dflash2_step runs on a GPU: five non-causal sliding layers of 2048, block 8, the convolutions
+    and a top-16 rank-256 selector, at the DFlash recipe's 3072 tokens and 512 anchors."""
+    from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_job
+
+    job, shape, setup = preset_job(QWEN3_6_DFLASH2_PRESET)
+    assert (shape.layers, shape.block_size, shape.dflash2, shape.selector_rank, shape.selector_top_k) == (
+        5, 8, True, 256, 16)
+    assert job["drafter"].resolved_layer_types() == ["sliding_attention"] * 5
+    assert not job["drafter"].resolved_sliding_causal() and job["drafter"].sliding_window == 2048
+    assert (setup.ctx_len, setup.num_anchors, setup.backend) == (3072, 512, "flex")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind):
+    """The qwen3_6_step code path at a tiny size (sdpa, a sliding and a full layer, float32 on CPU), and the
+    DFlash 2 check's: it reports its figures, and bench.plan's estimate is within 15% of the tensors TensorPeak
+    counts."""
     from bench.gpu import preset_step
     from bench.gpu_checks import preset_verdict
 
     out = preset_step(torch.device("cpu"), [
         "target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
         "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",
-        "data.max_length=256"], repeat=1)
+        "data.max_length=256", f"drafter.kind={kind}", "drafter.selector_rank=32"], repeat=1)
     verdict = preset_verdict(out)
     assert verdict["status"] == "PASS", verdict["summary"]
     assert out["mask_kinds"] == 2 and out["context_tokens_per_s"] > 0 and out["mfu"] is None

@@ -12,7 +12,7 @@ from bench.measure import TensorPeak
 from dflash.config import OptimConfig
 from dflash.drafter.blocks import draft_packed, pack_blocks
 from dflash.drafter.build import build_drafter
-from dflash.drafter.loss import block_loss
+from dflash.drafter.loss import block_terms
 from dflash.drafter.model import DFlashDraftModel, drafter_config
 from dflash.train.optim import build_optimizer
 
@@ -71,15 +71,17 @@ def test_parameters_counted_on_meta_equal_a_real_drafter(tiny_targets):
 
 
 def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, n_target, chunk,
-                  layer_types=None, checkpointing=False, autocast=False, grad_accum=1):
-    """(peak tensor bytes of a second training step on CPU, its Shape and Setup): draft_packed, block_loss,
+                  layer_types=None, checkpointing=False, autocast=False, grad_accum=1, dflash2=False):
+    """(peak tensor bytes of a second training step on CPU, its Shape and Setup): draft_packed, block_terms,
     backward, clipping and the AdamW step of the real code, anchors spread evenly over the sequence."""
     torch.manual_seed(0)
     target = Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=inter, num_hidden_layers=8,
                          num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
     config = drafter_config(target, num_layers=layers, block_size=block, target_layer_ids=list(range(n_target)),
                             mask_token_id=vocab - 1, layer_types=layer_types,
-                            sliding_window=L // 2 if layer_types else None)
+                            sliding_window=L // 2 if layer_types else None,
+                            dflash2={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32,
+                                     "selector_top_k": 8} if dflash2 else None)
     drafter = DFlashDraftModel(config).float().train()
     if checkpointing:  # as loop.py turns it on (transformers 5.x renamed the method)
         (getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable)()
@@ -96,8 +98,10 @@ def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, 
         for _ in range(grad_accum):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 hidden = draft_packed(drafter, embed, features, blocks, "sdpa")
-                loss_sum, weight, _ = block_loss(hidden, head.weight, blocks.labels, blocks.label_mask, 7.0, chunk)
-            (loss_sum / weight).backward()
+                terms = block_terms(hidden, head.weight, blocks.labels, blocks.label_mask, 7.0, chunk,
+                                    selector=drafter.candidate_selector)
+            loss = terms.loss_sum if terms.selector_sum is None else terms.loss_sum + terms.selector_sum
+            (loss / terms.weight_sum).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -127,7 +131,9 @@ SHAPES = {  # three float32 shapes: unchunked and chunked loss, one to three chu
 CASES = {**{name: (name, {}) for name in SHAPES},
          "wider, gradient checkpointing": ("wider", {"checkpointing": True}),
          "small, bf16 autocast": ("small", {"autocast": True}),
-         "longer, 2 micro-batches": ("longer", {"grad_accum": 2})}
+         "longer, 2 micro-batches": ("longer", {"grad_accum": 2}),
+         "wider, DFlash 2": ("wider", {"dflash2": True}),
+         "small, DFlash 2, bf16 autocast": ("small", {"dflash2": True, "autocast": True})}
 
 
 @pytest.mark.parametrize("case", list(CASES))

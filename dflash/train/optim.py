@@ -19,8 +19,15 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
     """Muon's share (optim=muon): the hidden 2-D matrices of the decoder layers (attention and MLP
     projections). Not `fc`, the input projection of the concatenated target features (Muon's convention
     leaves input and output maps, like embeddings and heads, to AdamW; the embeddings and LM head here are
-    the frozen target's anyway), nor norms and biases (not matrices)."""
-    return p.ndim == 2 and "norm" not in name and "fc" not in name.split(".")
+    the frozen target's anyway), nor norms and biases (not matrices), nor DFlash 2's selector codebooks
+    (embedding tables, [vocab, rank])."""
+    return p.ndim == 2 and "norm" not in name and "fc" not in name.split(".") and "codebook" not in name
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether AdamW decays the weight: matrices, not norms, biases or DFlash 2's static convolution taps (per
+    channel scales that start at the identity: decay would pull it to zero)."""
+    return p.ndim >= 2 and "norm" not in name and "base_kernel" not in name
 
 
 def check_optimizer(cfg: OptimConfig, fsdp: bool) -> None:
@@ -33,7 +40,7 @@ def check_optimizer(cfg: OptimConfig, fsdp: bool) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (norms and biases get no weight decay), or with optim.name=muon torch.optim.Muon on the hidden
+    """AdamW (norms, biases and convolution taps get no weight decay, `decays`), or with optim.name=muon torch.optim.Muon on the hidden
     matrices (`is_muon_param`) and AdamW on the rest, as one optimizer (`MuonAdamW`)."""
     decay, no_decay, muon = [], [], []
     for name, p in model.named_parameters():
@@ -42,7 +49,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         if cfg.name == "muon" and is_muon_param(name, p):
             muon.append(p)
         else:
-            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+            (decay if decays(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name != "muon":

@@ -374,3 +374,21 @@ def test_a_process_late_past_the_collective_timeout_in_completions_extraction_an
     assert len(losses(run)) == 2
     assert (run / "eval/step-000000/summary.json").exists() and (run / "eval/step-000002/summary.json").exists()
     assert (run / "checkpoints/step-000002/model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_dflash2_trains_alike_on_one_process_under_ddp_and_under_fsdp(tmp_path, tiny_targets):
+    """The selector's loss is computed outside the drafter's forward (beside the target's head): its codebooks'
+    and projection's gradients must still be reduced across processes, under DDP and FSDP2 (whose root unit holds
+    them) alike: 2 DDP processes = 1 process, and FSDP = DDP, in losses and in every float32 weight."""
+    (tmp_path / "fsdp_on_cpu.py").write_text(FSDP_ON_CPU)
+    d2 = ("drafter.kind=dflash2", "drafter.selector_rank=16")
+    _, ddp = two_processes_match_one(tmp_path, *d2)
+    launch(tmp_path, 2, "train.batch_size=1", "train.grad_accum=2", "run.name=fsdp", "train.distributed=fsdp", *d2,
+           script=tmp_path / "fsdp_on_cpu.py")
+    fsdp = tmp_path / "runs/fsdp"
+    a, b = losses(ddp), losses(fsdp)
+    assert len(a) == len(b) == 6 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    wa, wb = weights(ddp), weights(fsdp)
+    assert any("candidate_selector" in k for k in wa) and wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
