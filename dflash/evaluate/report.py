@@ -111,9 +111,12 @@ def arm_rows(runs: list[dict], keys: list[str]) -> tuple[list[str], list[dict]]:
     if all(len(g) < 2 for g in groups.values()):
         return arm_keys, []
     rows = []
+    # DFlash 2 runs also have their argmax path's and their selector ceiling's tau (dflash.evaluate.walk)
+    extra = [(n, f"eval/{n}") for n in ("tau_unary", "tau_oracle")
+             if any(_final(r, f"eval/{n}") is not None for r in runs)]
     for arm, members in groups.items():
         row = {"arm": arm, "seeds": len(members)}
-        for name, key in (("tau", "eval/tau"), ("acc@1", "eval/acc@1"), ("ddtree@8", "eval/ddtree@8")):
+        for name, key in (("tau", "eval/tau"), ("acc@1", "eval/acc@1"), ("ddtree@8", "eval/ddtree@8"), *extra):
             row[name], row[f"{name} sd"] = _mean_sd([_final(m, key) for m in members])
         row["best_tau"], row["best_tau sd"] = _mean_sd([summary_row(m)["best_tau"] for m in members])
         rows.append(row)

@@ -29,3 +29,12 @@ def test_arms_average_their_seeds_final_eval():
 def test_no_arm_table_without_repeated_seeds():
     runs = [run("a0", "decay_ce", 0, 2.0, 0.5, 3.0), run("b0", "dpace", 0, 4.0, 0.9, 5.0)]
     assert arm_rows(runs, differing_keys(runs))[1] == []
+
+
+def test_dflash2_arms_carry_their_unary_and_oracle_taus():
+    runs = [run("a0", "decay_ce", 0, 2.0, 0.5, 3.0), run("a1", "decay_ce", 1, 3.0, 0.7, 4.0),
+            run("b0", "dpace", 0, 4.0, 0.9, 5.0), run("b1", "dpace", 1, 4.0, 0.9, 5.0)]
+    for r, unary in zip(runs[2:], (3.0, 3.5)):
+        r["evals"][8]["metrics"].update({"eval/tau_unary": unary, "eval/tau_oracle": 6.0})
+    a, b = arm_rows(runs, differing_keys(runs))[1]
+    assert a["tau_unary"] is None and b["tau_unary"] == 3.25 and b["tau_oracle"] == 6.0 and b["tau_oracle sd"] == 0.0
