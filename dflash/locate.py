@@ -72,7 +72,7 @@ def check_complete(path: Path, need_state: bool = False) -> None:
                 wanted = ck.format1_files()
             else:
                 wanted = ck.files(with_manifest=False, world_size=state["world_size"],
-                                  fsdp=state.get("distributed") == "fsdp")
+                                  fsdp=state.get("distributed") == "fsdp") - set(ck.LATER_FILES)
     missing = sorted((f for f in wanted if not (path / f).exists()), key=lambda f: (f.count("/"), f))
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}; it is incomplete or not a "

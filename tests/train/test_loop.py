@@ -99,7 +99,7 @@ def test_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
 
 def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
     seen = {}
-    real_draft, real_loss = stepping.draft_packed, stepping.block_loss
+    real_draft, real_loss = stepping.draft_packed, stepping.block_terms
 
     def spy_draft(drafter, embed, features, blocks, backend, **kwargs):
         seen.setdefault("features", []).append(features.clone())
@@ -110,7 +110,7 @@ def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
         return real_loss(hidden, weight, labels, mask, gamma, chunk, **kwargs)
 
     monkeypatch.setattr(stepping, "draft_packed", spy_draft)
-    monkeypatch.setattr(stepping, "block_loss", spy_loss)
+    monkeypatch.setattr(stepping, "block_terms", spy_loss)
     train(job_for(workdir, "clean", "train.max_steps=2"))
     clean = dict(seen)
     seen.clear()
@@ -124,15 +124,16 @@ def test_noise_reaches_the_drafter_input_only(workdir, monkeypatch):
 
 
 def test_nan_loss_stops_with_step_and_batch_and_keeps_the_checkpoint(workdir, monkeypatch):
-    real = stepping.block_loss
+    real = stepping.block_terms
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
-        loss_sum, w, pred = real(*args, **kwargs)
-        return (loss_sum * float("nan") if calls["n"] == 6 else loss_sum), w, pred
+        terms = real(*args, **kwargs)
+        terms.loss_sum = terms.loss_sum * float("nan") if calls["n"] == 6 else terms.loss_sum
+        return terms
 
-    monkeypatch.setattr(stepping, "block_loss", poisoned)
+    monkeypatch.setattr(stepping, "block_terms", poisoned)
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step 6 .*sequences \['tiny-.*untouched"):
         train(job_for(workdir, "nan", "train.max_steps=10", "train.save_every=4"))
     run = workdir / "runs" / "nan"
