@@ -40,10 +40,10 @@ def line_plot(path: Path, curves: dict[str, tuple[list, list]], xlabel: str, yla
     return path
 
 
-def acc_curve(summary: dict) -> tuple[list, list]:
-    """(slots 1..B-1, acc@k) of an evaluation summary."""
+def acc_curve(summary: dict, key: str = "acc") -> tuple[list, list]:
+    """(slots 1..B-1, acc@k) of an evaluation summary (key="unary_acc": a DFlash 2 drafter's argmax path)."""
     B = summary["block_size"]
-    return list(range(1, B)), [summary["metrics"].get(f"eval/acc@{k}", float("nan")) for k in range(1, B)]
+    return list(range(1, B)), [summary["metrics"].get(f"eval/{key}@{k}", float("nan")) for k in range(1, B)]
 
 
 def save_plots(out_dir: Path, summaries: dict[str, dict]) -> dict[str, Path]:
@@ -54,6 +54,8 @@ def save_plots(out_dir: Path, summaries: dict[str, dict]) -> dict[str, Path]:
         curves = {}
         for label, s in summaries.items():
             curves[f"{label} (tau {s['metrics']['eval/tau']:.2f})"] = acc_curve(s)
+            if "eval/unary_acc@1" in s["metrics"]:  # DFlash 2: the selector's curve, and its argmax path's
+                curves[f"{label} argmax path (tau {s['metrics']['eval/tau_unary']:.2f})"] = acc_curve(s, "unary_acc")
         paths["acc_per_position"] = line_plot(out_dir / "acc_per_position.png", curves, "block slot k",
                                               "accuracy (draft = target token)", "Per-position accuracy", (0, 1.02))
     plt = _pyplot()
