@@ -60,6 +60,11 @@ def test_fine_tuning_a_dflash2_checkpoint_needs_its_kind(workdir):
     ckpt = RunLayout(workdir / "runs" / "d2").list_checkpoints()[-1][1]
     with pytest.raises(ConfigError, match="is a dflash2 drafter but drafter.kind=dflash: set drafter.kind=dflash2"):
         train(job_for(workdir, "ft", f"drafter.init_from={ckpt}", "train.max_steps=1", "data.limit=4", target="tiny_qwen3"))
+    run = train(job_for(workdir, "ft", f"drafter.init_from={ckpt}", "drafter.kind=dflash2", "train.max_steps=1",
+                        "data.limit=4", "eval.at_start=true", target="tiny_qwen3"))
+    start = json.loads((run / "eval" / "step-000000" / "summary.json").read_text())["metrics"]
+    end = json.loads((workdir / "runs" / "d2" / "eval" / "step-000012" / "summary.json").read_text())["metrics"]
+    assert start["eval/tau"] == pytest.approx(end["eval/tau"])  # it starts from the checkpoint's weights
 
 
 def test_the_zlab_reference_decodes_our_dflash2_checkpoint_as_we_do(workdir, tiny_targets, monkeypatch):
