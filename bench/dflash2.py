@@ -13,10 +13,9 @@ same machine load.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from bench.measure import time_call
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
@@ -62,15 +61,8 @@ def _alternating(fns: dict, rounds: int, per_round: int = 3) -> dict:
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            for i in range(per_round + 1):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                fn()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                if i:
-                    times[k].append(time.perf_counter() - t)
+            fn()
+            times[k] += [time_call(fn) for _ in range(per_round)]
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -122,7 +114,7 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
         hidden = draft_block(two, embed, feats[:, :p], anchor, p)[:, 1:]
         logits = head(hidden).float()
         cand, first, table = (t[0] for t in selector_tables(two.candidate_selector, hidden, logits, anchor))
-        return walk_path(first, table, cand)[0]
+        return walk_path(cand, first, table)
 
     hidden = draft_block(two, embed, feats[:, :p], anchor, p)[:, 1:].detach()
     logits = head(hidden).float().detach()
@@ -130,7 +122,7 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
     @torch.no_grad()
     def walk_only():
         cand, first, table = (t[0] for t in selector_tables(two.candidate_selector, hidden, logits, anchor))
-        return walk_path(first, table, cand)[0]
+        return walk_path(cand, first, table)
 
     infer = _alternating({"dflash": lambda: draft(one), "dflash2": lambda: draft(two),
                           "dflash2_with_walk": draft_and_walk, "walk": walk_only}, 3, 10 if quick else 20)

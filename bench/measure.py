@@ -47,20 +47,23 @@ class PeakMemory:
         return False
 
 
+def time_call(fn) -> float:
+    """Wall time of one fn() call, the device's queue drained before and after (CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def timed(fn, repeat: int, warmup: int = 1) -> float:
     """Median wall time of fn() over `repeat` runs, after warmup."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    times = sorted(time_call(fn) for _ in range(repeat))
+    return times[len(times) // 2]
 
 
 def matmul_flops(device: torch.device, n: int = 2048, dtype=torch.float32) -> float:

@@ -163,35 +163,29 @@ class CandidateSelector(nn.Module):
         return first, unary[:, 1:, None, :].float() + pair.float()
 
 
-def walk_path(first: torch.Tensor, table: torch.Tensor, cand: torch.Tensor, depth: int | None = None,
-              temperature: float = 0.0, draw=None) -> tuple[list[int], list[torch.Tensor]]:
-    """The selector's path for one block: (tokens, the distribution each was drawn from).
+def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, depth: int | None = None,
+              temperature: float = 0.0, draw=None) -> list[int]:
+    """The selector's path for one block: its tokens.
 
-    first [K], table [S-1, K, K], cand [S, K] (one block, see `CandidateSelector.transitions`); depth: slots to
-    walk (default all S). Temperature 0 takes the best candidate (the returned distributions are one-hot);
-    T > 0 draws from softmax(score / T) over the K candidates with draw(probs [K], slot) -> index.
-    The greedy walk reads its argmax table back once: no per-slot sync.
+    cand [S, K], first [K], table [S-1, K, K] (one block of `selector_tables`); depth: slots to walk (default
+    all S). Temperature 0 takes the best candidate; T > 0 draws from softmax(score / T) over the K candidates
+    with draw(probs [K], slot) -> index. The greedy walk reads its argmax table back once: no per-slot sync.
     """
     S = cand.shape[0] if depth is None else min(depth, cand.shape[0])
     if S <= 0:
-        return [], []
+        return []
     if temperature <= 0:
         best_first, best = int(first.argmax()), table.argmax(-1).tolist()  # [S-1][K]: next index after index i
         idx = [best_first]
         for s in range(S - 1):
             idx.append(best[s][idx[-1]])
-        ids = cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist()
-        eye = torch.eye(cand.shape[1], device=cand.device)
-        return ids, [eye[i] for i in idx]
-    rows, idx = [], []
-    row = first
-    for s in range(S):
-        probs = torch.softmax(row.float() / temperature, -1)
-        rows.append(probs)
-        idx.append(int(draw(probs, s)))
-        if s + 1 < S:
-            row = table[s, idx[-1]]
-    return cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist(), rows
+    else:
+        idx, row = [], first
+        for s in range(S):
+            idx.append(int(draw(torch.softmax(row.float() / temperature, -1), s)))
+            if s + 1 < S:
+                row = table[s, idx[-1]]
+    return cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist()
 
 
 def selector_tables(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
@@ -201,12 +195,3 @@ def selector_tables(selector: CandidateSelector, hidden: torch.Tensor, logits: t
     unary, cand = selector.candidates(logits)
     first, table = selector.transitions(hidden, unary, cand, anchor)
     return cand, first, table
-
-
-def teacher_forced_choice(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
-                          prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(choice [..., S], candidates [..., S, K]) with the gold previous token prev [..., S] as predecessor. While
-    the choices match the gold tokens this is the selector's own walk, so its streak is the walk's."""
-    unary, cand = selector.candidates(logits)
-    scores = selector.scores(hidden, unary, cand, prev)
-    return cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0], cand

@@ -151,7 +151,7 @@ def attention_rules(config) -> list[AttentionRule]:
     return [AttentionRule(c, int(window) if s and window is not None else None) for c, s in zip(causal, sliding)]
 
 
-def attention_keys(rules: list[AttentionRule], config=None) -> dict:
+def attention_keys(rules: list[AttentionRule]) -> dict:
     """The attention keys an export writes, so that every server reads `rules` back (attention_rules): is_causal
     and dflash_config.causal when all layers agree (a mix of causal sliding and non-causal full layers is the
     layer-type default, which every server reads alike), use_swa and swa_window_size."""
@@ -430,8 +430,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             only the positions not yet cached).
         position_ids: [b, c + q] positions of those context positions, then of the block.
         attention_mask: None (the block sees all context, which must lie strictly before the
-            anchor), a bool [b, 1, q, keys] tensor, a flex BlockMask, or a dict of either per
-            layer type (full_attention / sliding_attention) for packed training.
+            anchor; each layer's AttentionRule applied), a bool [b, 1, q, keys] tensor, a flex BlockMask, or
+            a dict of either per AttentionRule (dflash.drafter.blocks.packed_attention_masks) for packed training.
         cache: context keys/values from earlier calls, extended in place.
         Returns the final-normed hidden states [b, q, H]; apply the target's lm_head for logits.
         """
@@ -504,7 +504,7 @@ def drafter_config(
     if dflash2:
         dflash.update({k: int(dflash2[k]) for k in DFLASH2_KEYS}, block_size=int(block_size))
     rules = [AttentionRule(sliding_causal, sliding_window) if t == "sliding_attention" else FULL for t in types]
-    keys = attention_keys(rules, None)
+    keys = attention_keys(rules)
     dflash.update(keys.pop("dflash_config"))
     return Qwen3Config(
         architectures=["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],

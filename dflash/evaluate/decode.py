@@ -124,13 +124,14 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         logits = head(hidden[0, 1:].to(head.weight.dtype)).float()
         room = max_new_tokens - (len(ids) - prompt_len)  # tokens still allowed, the bonus included
         tables = None
-        if drafter.candidate_selector is not None:  # DFlash 2: one batched product, then the walk on the host
+        if drafter.candidate_selector is not None and (tree_budget is None or tree == "pairwise"):
+            # DFlash 2's chain and pairwise tree: one batched product, then the walk on the host
             tables = [t[0] for t in selector_tables(drafter.candidate_selector, hidden[:, 1:], logits[None],
                                                     anchor_token)]
         if tree_budget is None:
             if tables is not None:
-                drafts = walk_path(tables[1], tables[2], tables[0], depth=room - 1, temperature=temperature,
-                                   draw=lambda probs, s: seeded_draw(probs, seed + 1, p + 1 + s))[0]
+                drafts = walk_path(*tables, depth=room - 1, temperature=temperature,
+                                   draw=lambda probs, s: seeded_draw(probs, seed + 1, p + 1 + s))
             else:
                 drafts = choose(logits, temperature, seed + 1, p + 1)[: room - 1].tolist() if room > 1 else []
             verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, pick)
@@ -167,7 +168,7 @@ def draft_tree_pairwise(tables, budget: int, room: int) -> tuple[Tree, list[int]
     depth = max(0, min(cand.shape[0], room - 1))
     first_logp, table_logp = torch.log_softmax(first, -1).tolist(), torch.log_softmax(table, -1).tolist()
     tree = build_tree_pairwise(cand.tolist(), first_logp, table_logp, budget, max_depth=depth)
-    return tree, walk_path(first, table, cand, depth=depth)[0]
+    return tree, walk_path(cand, first, table, depth=depth)
 
 
 def draft_tree(logits: torch.Tensor, budget: int, room: int) -> tuple[Tree, list[int]]:

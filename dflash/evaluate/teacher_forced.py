@@ -19,7 +19,7 @@ import torch
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
-from dflash.drafter.dflash2 import selector_tables, teacher_forced_choice
+
 from dflash.evaluate.walk import variant_key, verify_depth, walk, walk_variants
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
@@ -75,7 +75,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                 target = blocks.labels[0, :, 1:].cpu().masked_fill(~blocks.label_mask[0, :, 1:].cpu(), -1)
                 drafted = top.indices[:, :, 0]
                 if selector is not None:  # DFlash 2 drafts the selector's path; the argmax path is the unary one
-                    drafted, extra = dflash2_fields(selector, hidden, logits, blocks, target, chunk, cfg, start)
+                    drafted, extra, tables = dflash2_fields(selector, hidden, logits, blocks, target)
                 correct, _ = block_correct(drafted.cpu(), target)
                 streak = metrics.streaks(correct).tolist()
                 draft_ids, top_ids, top_logp = drafted.tolist(), top.indices.tolist(), top.values.tolist()
@@ -88,7 +88,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                     }
                     if selector is not None:
                         by_anchor[p].update({k: v[j] for k, v in extra.items()})
-                        by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], cfg.ddtree_budgets)
+                        by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
         draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response else []))
@@ -104,27 +104,28 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     return records
 
 
-def dflash2_fields(selector, hidden, logits, blocks, target, chunk, cfg, start) -> tuple[torch.Tensor, dict]:
-    """DFlash 2's drafted tokens [n, S] (the selector's, the gold previous token as predecessor: its chain streak
-    is the live walk's) and per-record fields: `unary_tokens` (the argmax path), `oracle_tokens` (the gold token
-    where the unary top-K holds it, else -1: the selector's ceiling), and the selector's transition tables
-    (candidates and conditional log-probs, `pair_tables`) for its pairwise DDTree."""
+def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list]:
+    """DFlash 2's drafted tokens [n, S] (the selector's, the gold previous token as predecessor: while they match
+    the gold tokens this is the selector's own walk, so their chain streak is the live walk's), per-record fields
+    (`unary_tokens`: the argmax path; `oracle_tokens`: the gold token where the unary top-K holds it, else -1, the
+    selector's ceiling) and per block the selector's transition tables (candidates, conditional log-probs) for
+    its pairwise DDTree. The unary top-K is taken once for all three."""
+    unary, cand = selector.candidates(logits)
     prev = blocks.labels[0, :, :-1]  # slot k's predecessor is x_{p+k-1}: the anchor token at slot 1
-    choice, cand = teacher_forced_choice(selector, hidden, logits, prev)
+    choice = cand.gather(-1, selector.scores(hidden, unary, cand, prev).argmax(-1, keepdim=True))[..., 0]
     gold = target.to(cand.device)
     held = (cand == gold[..., None]).any(-1) & (gold >= 0)
     oracle = torch.where(held, gold, torch.full_like(gold, -1))
-    cand_t, first, table = selector_tables(selector, hidden, logits, blocks.labels[0, :, 0])
+    first, table = selector.transitions(hidden, unary, cand, blocks.labels[0, :, 0])
     first, table = torch.log_softmax(first, -1), torch.log_softmax(table, -1)
-    extra = {"unary_tokens": logits.argmax(-1).tolist(), "oracle_tokens": oracle.tolist(),
-             "pair_tables": list(zip(cand_t.tolist(), first.tolist(), table.tolist()))}
-    return choice, extra
+    extra = {"unary_tokens": logits.argmax(-1).tolist(), "oracle_tokens": oracle.tolist()}
+    return choice, extra, list(zip(cand.tolist(), first.tolist(), table.tolist()))
 
 
-def pair_accepted(record: dict, budgets: list[int]) -> dict:
-    """{budget: drafts the selector's pairwise DDTree of that many nodes accepts}, the tree at most as deep as
-    live decoding verifies there (dflash.evaluate.walk.verify_depth); the tables are dropped from the record."""
-    cand, first, table = record.pop("pair_tables")
+def pair_accepted(record: dict, tables: tuple, budgets: list[int]) -> dict:
+    """{budget: drafts the selector's pairwise DDTree of that many nodes accepts}, the tree built from the block's
+    `tables` (dflash2_fields) at most as deep as live decoding verifies there (dflash.evaluate.walk.verify_depth)."""
+    cand, first, table = tables
     depth = verify_depth(record)
     return {str(b): accepted_length(build_tree_pairwise(cand, first, table, b, max_depth=depth),
                                     record["target_tokens"]) for b in budgets}

@@ -150,12 +150,11 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                     options.update(soft_targets(batch, logits, blocks, rows, dev))
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
                                     job.loss.chunk_logits, rows=rows, selector=selector, **options)
-                loss_sum = terms.loss_sum
-            acc.backward(loss_sum * scale if selector is None else loss_sum * scale
-                         + terms.selector_sum * selector_scale)
+                loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0
+            acc.backward(loss_sum * scale + (selector_sum * selector_scale if selector is not None else 0.0))
         if dpace_by_weights:
             dyn_weights.append(terms.weight_sum.detach())
-        losses.append(loss_sum.detach() if selector is None else loss_sum.detach() + terms.selector_sum.detach())
+        losses.append((loss_sum + selector_sum).detach())  # either part non-finite stops the step
         window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.detach().double()
         counts = metrics.count(terms.predictions, blocks.labels, blocks.label_mask)
         if selector is not None:  # the selector's choices are what a DFlash 2 drafter drafts: train/tau is theirs

@@ -44,10 +44,13 @@ def _seq(L=30, seed=0):
 
 @pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 6)])
 def test_packed_forward_equals_one_block_inference(layer_types, window):
-    drafter = make_drafter(layer_types, window)
+    assert_packed_equals_one_block(make_drafter(layer_types, window), *_seq(), torch.tensor([1, 7, 12, 13, 25, 29]))
+
+
+def assert_packed_equals_one_block(drafter, ids, feats, anchors):
+    """Every block of the packed forward of one sequence (ids [1, 30], feats [1, 30, F]) at `anchors` equals the
+    one-block inference forward at its anchor."""
     embed = torch.nn.Embedding(300, 64)
-    ids, feats = _seq()
-    anchors = torch.tensor([1, 7, 12, 13, 25, 29])
     blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [anchors], B, MASK)
     with torch.no_grad():
         packed = draft_packed(drafter, embed, feats, blocks)

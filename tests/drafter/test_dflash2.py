@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks
 from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.ddtree import build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
 from dflash.drafter.loss import block_terms, selector_ce, slot_weights
 from dflash.drafter.model import DFlashDraftModel, drafter_config
+from tests.drafter.test_blocks import assert_packed_equals_one_block
 from tests.drafter.test_model import TARGET, inputs
 from tests.zlab import reference
 
@@ -78,17 +78,10 @@ def test_a_fresh_dflash2_drafter_computes_the_dflash_drafter():
 def test_packed_dflash2_forward_equals_one_block_inference(layer_types, window, causal):
     """Taps and attention of packed training stop at every block start: block for block, what one-block
     inference computes (anchors adjacent to each other included)."""
-    drafter = make_dflash2(layer_types, window, causal)
-    embed = torch.nn.Embedding(300, 64)
     g = torch.Generator().manual_seed(3)
     ids, feats = torch.randint(0, 290, (1, 30), generator=g), torch.randn(1, 30, 3 * 64, generator=g)
-    anchors = torch.tensor([1, 7, 8, 12, 13, 25, 29])
-    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [anchors], B, MASK)
-    with torch.no_grad():
-        packed = draft_packed(drafter, embed, feats, blocks)
-        for j, p in enumerate(anchors.tolist()):
-            one = draft_block(drafter, embed, feats[:, :p], ids[:, p], p)
-            assert (packed[0, j] - one[0]).abs().max() < 1e-5, p
+    assert_packed_equals_one_block(make_dflash2(layer_types, window, causal), ids, feats,
+                                   torch.tensor([1, 7, 8, 12, 13, 25, 29]))
 
 
 def test_selector_loss_puts_the_gold_token_among_the_candidates():
@@ -147,7 +140,7 @@ def test_the_selector_walk_follows_its_own_choices():
         sel.successor_codebook.mul_(100)
     hidden, logits, anchor = torch.randn(1, 6, 16), torch.randn(1, 6, 60), torch.tensor([3])
     cand, first, table = (t[0] for t in selector_tables(sel, hidden, logits, anchor))
-    path, _ = walk_path(first, table, cand)
+    path = walk_path(cand, first, table)
     unary, cands = sel.candidates(logits[0])
     prev, expected = 3, []
     for s in range(6):  # the reference loop: one slot at a time, the previous choice as predecessor
@@ -221,7 +214,7 @@ def test_the_zlab_reference_class_loads_our_export_and_computes_the_same(tmp_pat
         for b in range(2):
             tables = [t[0] for t in selector_tables(model.candidate_selector, hidden[b:b + 1], logits[b:b + 1],
                                                     anchor[b:b + 1])]
-            assert walk_path(tables[1], tables[2], tables[0])[0] == tokens[b].tolist()
+            assert walk_path(*tables) == tokens[b].tolist()
 
 
 def test_convolution_gradients_are_exact():
