@@ -166,6 +166,10 @@ def run_entry(script, *args, cwd=REPO):
     (lambda: DrafterConfig(num_layers=1, layer_types=["sliding_attention"]), "drafter.sliding_window"),
     (lambda: NoiseConfig(kind="gaussian", scale=0.0), "noise.scale"),
     (lambda: NoiseConfig(kind="pink"), "noise.kind"),
+    (lambda: LossConfig(objective="tv", temperature=0.0), "loss.temperature=0.0 must be > 0"),
+    (lambda: LossConfig(objective="kl", temperature=2.0), "loss.temperature=2.0 applies to"),
+    (lambda: LossConfig(objective="expected_tau", normalize="weights"), "loss.normalize=weights"),
+    (lambda: LossConfig(objective="expected_tau", kl_weights="dpace"), "loss.kl_weights=dpace"),
 ])
 def test_cross_field_checks(make, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -177,6 +181,17 @@ def test_gamma_defaults_by_block_size():
     assert LossConfig(gamma=3.0).gamma_for(12) == 3.0
     with pytest.raises(ConfigError, match="loss.gamma"):
         LossConfig().gamma_for(12)
+
+
+@pytest.mark.parametrize("option,weighting,normalizer", [
+    ("tv", "decay", "weights"), ("nla", "decay", "weights"), ("expected_tau", "decay", "anchor")])
+def test_the_acceptance_losses_compose_with_their_weights_and_normaliser(option, weighting, normalizer):
+    loss = compose("train", [f"loss={option}", "loss.temperature=0.5", "train.mode=online"]).loss
+    assert (loss.objective, loss.temperature, loss.weighting, loss.normalizer) == (option, 0.5, weighting, normalizer)
+    assert loss.soft_labels
+    if option != "expected_tau":  # D-PACE weights as loss=kl takes them
+        loss = compose("train", [f"loss={option}", "loss.kl_weights=dpace"]).loss
+        assert (loss.weighting, loss.normalizer) == ("dpace", "anchor")
 
 
 def test_config_error_surfaces_through_compose():

@@ -156,16 +156,22 @@ class NoiseConfig:
 
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+ACCEPTANCE_OBJECTIVES = ("tv", "nla", "expected_tau")  # made of the acceptance rates (dflash.drafter.loss)
+SOFT_OBJECTIVES = ("kl", *ACCEPTANCE_OBJECTIVES)  # read the target's next-token distribution
 
 
 @dataclass
 class LossConfig:
-    """The per-slot training loss (dflash.drafter.loss): decay-weighted CE (the paper's), D-PACE, or KL."""
+    """The per-slot training loss (dflash.drafter.loss): decay-weighted CE (the paper's), D-PACE, KL, or the
+    acceptance rate under speculative sampling (tv, nla, expected_tau)."""
 
     objective: str = "decay_ce"
     """decay_ce (CE on the target's greedy tokens, weights exp(-(k-1)/gamma)), dpace (CE with D-PACE weights
-    from the drafter's own confidence, arXiv 2605.18810) or kl (KL(target || drafter) on the target's
-    next-token distribution; online training only)."""
+    from the drafter's own confidence, arXiv 2605.18810), kl (KL(target || drafter) on the target's
+    next-token distribution), tv (1 - alpha, alpha = sum_x min(p, q) the slot's acceptance rate), nla
+    (-log alpha) or expected_tau (per block, the expected labelled slots not accepted: -E[tau] + const, no
+    slot weights, normalised by the blocks). kl and those three need the target's distribution: online, or
+    offline from a cache extracted with features.topk_logits."""
     gamma: float | None = None
     """Decay of slot weights w_k = exp(-(k-1)/gamma); null picks 7/5/4 for block size 16/10/8."""
     alpha: float = 0.5
@@ -174,7 +180,9 @@ class LossConfig:
     """anchor (loss sum / valid anchors) or weights (loss sum / sum of the slot weights); null = weights for
     decay weights (the paper's form), anchor for D-PACE weights (the form the D-PACE author recommends)."""
     kl_weights: str = "decay"
-    """Slot weights of loss=kl: decay (as decay_ce) or dpace."""
+    """Slot weights of loss=kl, tv and nla: decay (as decay_ce) or dpace."""
+    temperature: float = 1.0
+    """Temperature T of tv, nla and expected_tau: alpha compares softmax(logits / T) of target and drafter."""
     selector_weight: float = 1.0
     """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, gold added when missing,
     the previous gold token as predecessor, decay slot weights) added to the per-slot loss above."""
@@ -183,7 +191,7 @@ class LossConfig:
     recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
 
     def __post_init__(self) -> None:
-        one_of("loss.objective", self.objective, {"decay_ce", "dpace", "kl"})
+        one_of("loss.objective", self.objective, {"decay_ce", "dpace", *SOFT_OBJECTIVES})
         one_of("loss.kl_weights", self.kl_weights, {"decay", "dpace"})
         if self.normalize is not None:
             one_of("loss.normalize", self.normalize, {"anchor", "weights"})
@@ -192,17 +200,35 @@ class LossConfig:
         positive("loss.gamma", self.gamma)
         positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
         positive("loss.selector_weight", self.selector_weight, allow_zero=True)
+        if not self.temperature > 0:
+            raise ConfigError(f"loss.temperature={self.temperature} must be > 0 (1 = the distributions as they are)")
+        if self.temperature != 1 and self.objective not in ACCEPTANCE_OBJECTIVES:
+            raise ConfigError(f"loss.temperature={self.temperature} applies to loss=tv, nla or expected_tau, not "
+                              f"loss={self.objective}: leave it at 1")
+        if self.objective == "expected_tau" and self.kl_weights != "decay":
+            raise ConfigError(f"loss.kl_weights={self.kl_weights}: loss=expected_tau is a per-block loss without "
+                              f"slot weights; leave loss.kl_weights at decay")
+        if self.objective == "expected_tau" and self.normalize == "weights":
+            raise ConfigError("loss.normalize=weights: loss=expected_tau has no slot weights, it is normalised by "
+                              "the blocks with a label; set loss.normalize=anchor or null")
 
     @property
     def weighting(self) -> str:
         """decay or dpace: how the slots are weighted."""
-        return "dpace" if self.objective == "dpace" or (self.objective == "kl" and self.kl_weights == "dpace") \
-            else "decay"
+        return "dpace" if self.objective == "dpace" or (self.objective in ("kl", "tv", "nla") and
+                                                         self.kl_weights == "dpace") else "decay"
 
     @property
     def normalizer(self) -> str:
-        """anchor or weights (loss.normalize, or its default for the weighting)."""
-        return self.normalize or ("anchor" if self.weighting == "dpace" else "weights")
+        """anchor or weights (loss.normalize, or its default for the weighting; expected_tau: anchor, one count
+        per block with a label)."""
+        by_anchor = self.weighting == "dpace" or self.objective == "expected_tau"
+        return self.normalize or ("anchor" if by_anchor else "weights")
+
+    @property
+    def soft_labels(self) -> bool:
+        """Whether the loss reads the target's next-token distribution (kl, tv, nla, expected_tau)."""
+        return self.objective in SOFT_OBJECTIVES
 
     def gamma_for(self, block_size: int) -> float:
         if self.gamma is not None:

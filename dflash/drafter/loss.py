@@ -5,7 +5,13 @@ Per labelled slot k (1 <= k < B; slot 0 is the given token and never counts) a r
 - decay_ce: l_k = CE(drafter, label), w_k = exp(-(k-1)/gamma) (the DFlash paper, Eq. 4);
 - dpace: l_k = CE, w_k the D-PACE weight (`dpace_weights`, arXiv 2605.18810), computed without gradient from
   the drafter's own probability of the labels in the same forward;
-- kl: l_k = KL(p_target || q_drafter) at the label's position, weighted by either.
+- kl: l_k = KL(p_target || q_drafter) at the label's position, weighted by either;
+- tv: l_k = 1 - alpha_k, nla: l_k = -log alpha_k, weighted by either, where alpha_k = sum_x min(p(x), q(x))
+  = 1 - TV(p, q) is the slot's acceptance rate under speculative (rejection) sampling, p and q the target's and
+  the drafter's distributions at temperature T (`log_acceptance`);
+- expected_tau: per block, (labelled slots) - sum_k prod_{j<=k} alpha_j, the expected number of labelled slots
+  not accepted, i.e. -E[accepted length] up to a constant (`expected_rejections`); no slot weights, one count
+  per block with a label.
 The caller divides the weighted sum by a normaliser (the sum of the weights, or the count of valid anchors) taken
 over a whole optimizer step on all processes, so accumulation and DDP stay exact (dflash.train.step).
 
@@ -107,11 +113,30 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     return terms.loss_sum, terms.weight_sum, terms.predictions
 
 
+OBJECTIVES = ("ce", "kl", "tv", "nla", "expected_tau")
+ACCEPTANCE = ("tv", "nla", "expected_tau")  # the objectives made of the acceptance rates alpha
+
+
+def _objective(objective: str | None, soft: bool, temperature: float) -> str:
+    """The row objective block_terms and row_losses run (None: kl with a target distribution, else ce)."""
+    objective = objective or ("kl" if soft else "ce")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: one of {', '.join(OBJECTIVES)}")
+    if soft != (objective != "ce"):
+        raise ValueError(f"objective={objective} {'takes no' if soft else 'needs the'} target distribution "
+                         f"(target_logits or target_topk)")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if temperature != 1 and objective not in ACCEPTANCE:
+        raise ValueError(f"temperature={temperature} applies to {', '.join(ACCEPTANCE)}, not {objective}")
+    return objective
+
+
 def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None, *,
                 weighting: str = "decay", alpha: float = 0.5, target_logits: torch.Tensor | None = None,
                 target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                selector=None) -> LossTerms:
+                selector=None, objective: str | None = None, temperature: float = 1.0) -> LossTerms:
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -124,13 +149,20 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     host: made here from a device mask, their count is read back (a host sync).
     weighting: decay (w_k = exp(-(k-1)/gamma)) or dpace (`dpace_weights` with `alpha`; gamma unused).
     target_logits: [N, V] the target's logits predicting each labelled row's token (`label_logits`): given,
-    the row loss is KL(softmax(target) || softmax(drafter)) instead of CE on the label.
+    the row loss is KL(softmax(target) || softmax(drafter)) instead of CE on the label (or `objective`'s).
     target_topk: (logprobs [N, k], ids [N, k], rest [N]) the target's stored top-k distribution instead
     (features.topk_logits): the row loss is the KL between the two distributions coarsened to those k tokens
-    and one bucket for all the others (exact when k = vocab; below, a lower bound of the full KL).
+    and one bucket for all the others (exact when k = vocab; below, a lower bound of the full KL); the
+    acceptance objectives' alpha as `log_acceptance_topk`.
+    objective: ce (the label's cross-entropy; no target distribution given) or, against the target's
+    distribution (target_logits or target_topk given), kl, tv (row loss 1 - alpha), nla (-log alpha), these
+    weighted by `weighting`, or expected_tau (per block `expected_rejections`; no slot weights: weighting must
+    be decay, and weight_sum is the count of blocks with a label); None = kl with a target distribution, else ce.
+    temperature: T > 0 of the acceptance objectives' distributions softmax(logits / T) (1 for ce and kl).
     selector: a DFlash 2 CandidateSelector: its CE (`selector_ce`, predecessor = the previous slot's label, the
     anchor token at slot 1) from the same logits, weighted by the decay weights exp(-(k-1)/gamma).
     """
+    objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     rows = label_rows(label_mask) if rows is None else rows
     decay = (slot_weights(labels.shape[-1], gamma).to(hidden.device, non_blocking=True) * label_mask).reshape(-1)
     flat_h = hidden.reshape(-1, hidden.shape[-1])[rows]
@@ -138,7 +170,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     sel = {}
     if selector is not None:  # slot k's predecessor is slot k-1's label (slot 0's is the anchor token)
         sel = {"selector": selector, "prev": torch.roll(labels, 1, -1).reshape(-1)[rows]}
-    if weighting == "decay" and target_logits is None and target_topk is None:  # the paper's loss, unchanged
+    if weighting == "decay" and objective == "ce":  # the paper's loss, unchanged
         out = weighted_ce(flat_h, lm_head_weight, flat_y, decay[rows], chunk_logits,
                           **({**sel, "sel_weight": decay[rows]} if sel else {}))
         terms = LossTerms(out[0], decay.sum(), _scatter_predictions(labels, rows, out[1]))
@@ -148,19 +180,38 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
         return terms
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting={weighting!r}: decay or dpace")
-    out = row_losses(flat_h, lm_head_weight, flat_y, chunk_logits, target_logits, target_topk, **sel)
+    if objective == "expected_tau" and weighting != "decay":
+        raise ValueError(f"weighting={weighting}: objective=expected_tau has no slot weights (leave it at decay)")
+    out = row_losses(flat_h, lm_head_weight, flat_y, chunk_logits, target_logits, target_topk, **sel,
+                     objective=objective, temperature=temperature)
     row_loss, ce, pred = out[:3]
-    if weighting == "dpace":
-        q = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
-        q[rows] = torch.exp(-ce.detach().float())
-        w = dpace_weights(q.view(labels.shape), label_mask, alpha).reshape(-1)
+    if objective == "expected_tau":  # row_loss holds each row's alpha; unlabelled slots' stay 0
+        rates = torch.zeros(labels.numel(), dtype=row_loss.dtype, device=hidden.device).index_put((rows,), row_loss)
+        terms = LossTerms(expected_rejections(rates.view(labels.shape), label_mask).sum(),
+                          label_mask.any(-1).sum().float(), _scatter_predictions(labels, rows, pred))
     else:
-        w = decay
-    terms = LossTerms((row_loss * w[rows]).sum(), w.sum(), _scatter_predictions(labels, rows, pred))
+        if weighting == "dpace":
+            q = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
+            q[rows] = torch.exp(-ce.detach().float())
+            w = dpace_weights(q.view(labels.shape), label_mask, alpha).reshape(-1)
+        else:
+            w = decay
+        terms = LossTerms((row_loss * w[rows]).sum(), w.sum(), _scatter_predictions(labels, rows, pred))
     if sel:
         terms.selector_sum, terms.selector_weight_sum = (out[3] * decay[rows]).sum(), decay.sum()
         terms.selector_predictions = _scatter_predictions(labels, rows, out[4])
     return terms
+
+
+def expected_rejections(alpha: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """[...] per block, the expected number of labelled slots a verifier does not accept: (labelled slots) -
+    sum_{k=1}^{B-1} prod_{j=1}^{k} alpha_j, from each slot's acceptance rate alpha [..., B] and label_mask
+    [..., B]. The sum is E[tau] - 1 (slot k is accepted when slots 1..k all are; the bonus token is the 1), so
+    the loss has -E[tau]'s gradient, is >= 0 and is 0 for a drafter accepted everywhere. An unlabelled slot
+    counts as alpha = 0: nothing past the completion is accepted (slot 0, the given token, is never scored)."""
+    mask = label_mask[..., 1:].bool()
+    reach = torch.cumprod(torch.where(mask, alpha[..., 1:], torch.zeros_like(alpha[..., 1:])), dim=-1)
+    return mask.sum(-1).to(alpha.dtype) - reach.sum(-1)
 
 
 def _scatter_predictions(labels: torch.Tensor, rows: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -189,12 +240,62 @@ def dpace_weights(q: torch.Tensor, label_mask: torch.Tensor, alpha: float) -> to
         return reach.flip(-1).cumsum(-1).flip(-1) * mask
 
 
+def log_acceptance(logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0,
+                   logq: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] log alpha, alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), p = softmax(target_logits / T) and q =
+    softmax(logits / T) over [N, V]: the probability that speculative sampling accepts the drafter's token
+    (accepted with probability min(1, p/q)). In log space (logsumexp of the minimum of the log-probabilities),
+    so -log alpha stays finite and keeps its gradient however small alpha is. logq: log_softmax(logits) when
+    the caller has it (used at T = 1: one [N, V] pass fewer)."""
+    logp = F.log_softmax(target_logits.float() / temperature, dim=-1)
+    if logq is None or temperature != 1:
+        logq = F.log_softmax(logits.float() / temperature, dim=-1)
+    return torch.logsumexp(torch.minimum(logp, logq), dim=-1)
+
+
+def log_acceptance_topk(logits: torch.Tensor, top_logprobs: torch.Tensor, top_ids: torch.Tensor,
+                        top_rest: torch.Tensor, temperature: float = 1.0,
+                        logq: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] log alpha from the target's stored top-k (logprobs [N, k] at T = 1, ids [N, k], rest [N] the mass
+    outside them) and the drafter's logits [N, V].
+
+    T = 1: alpha of the two distributions coarsened to (the k tokens, one bucket for all others), sum_i
+    min(p_i, q_i) + min(p_rest, q_rest): exact when the k tokens are the vocabulary; below, an upper bound of
+    the full alpha (coarsening cannot increase the total variation).
+    T != 1: the cache holds no tempered rest mass, so both distributions are the k tokens' alone, tempered and
+    renormalised over them (softmax(logprobs / T), softmax(logits[ids] / T)), and the rest bucket is dropped:
+    exact in the limit where the k tokens hold all the tempered mass of both, an approximation otherwise.
+    logq: log_softmax(logits) when the caller has it (T = 1).
+    """
+    lp = top_logprobs.float()
+    if temperature != 1:
+        logp = F.log_softmax(lp / temperature, dim=-1)
+        logq = F.log_softmax(logits.float().gather(-1, top_ids) / temperature, dim=-1)
+        return torch.logsumexp(torch.minimum(logp, logq), dim=-1)
+    logq = F.log_softmax(logits.float(), dim=-1) if logq is None else logq
+    log_q_rest = torch.logsumexp(logq.scatter(-1, top_ids, -1e4), dim=-1)  # see _chunk_rows
+    log_p_rest = torch.log(top_rest.float().clamp_min(1e-30))
+    both = torch.cat([torch.minimum(lp, logq.gather(-1, top_ids)), torch.minimum(log_p_rest, log_q_rest)[:, None]],
+                     dim=-1)
+    return torch.logsumexp(both, dim=-1)
+
+
 def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_ids=None, top_rest=None,
-                selector=None, prev=None):
+                selector=None, prev=None, objective="ce", temperature=1.0):
     logits = F.linear(hidden, weight).float()
     sel = () if selector is None else selector_ce(selector, hidden, logits, labels, prev)
     logq = F.log_softmax(logits, dim=-1)
     ce = -logq.gather(-1, labels[:, None]).squeeze(-1)
+    if objective in ACCEPTANCE:
+        log_alpha = (log_acceptance(logits, target_logits, temperature, logq) if target_logits is not None else
+                     log_acceptance_topk(logits, top_logprobs, top_ids, top_rest, temperature, logq))
+        if objective == "tv":
+            row = -torch.expm1(log_alpha)  # 1 - alpha
+        elif objective == "nla":
+            row = -log_alpha
+        else:  # expected_tau: the rates themselves, made into the block loss by block_terms
+            row = log_alpha.exp()
+        return (row, ce, logits.argmax(-1), *sel)
     if target_logits is not None:
         logp = F.log_softmax(target_logits.float(), dim=-1)
         return ((logp.exp() * (logp - logq)).sum(-1), ce, logits.argmax(-1), *sel)
@@ -212,21 +313,26 @@ def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_id
 
 def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_logits: int = 0,
                target_logits: torch.Tensor | None = None, target_topk: tuple | None = None, selector=None,
-               prev: torch.Tensor | None = None):
+               prev: torch.Tensor | None = None, *, objective: str | None = None, temperature: float = 1.0):
     """Per-row losses of hidden [N, H]: (row_loss [N], ce [N], predictions [N]); row_loss is ce, or with
     target_logits [N, V] KL(softmax(target) || softmax(drafter)), or with target_topk (block_loss) the
-    top-k KL; with a selector (prev [N]) also its CE and choices [N] (`selector_ce`). Chunked over rows as
-    `weighted_ce`."""
+    top-k KL; objective (block_terms') tv: 1 - alpha, nla: -log alpha, expected_tau: alpha itself (the
+    block loss is made of the rates, `expected_rejections`), alpha at `temperature` (`log_acceptance`,
+    `log_acceptance_topk`); with a selector (prev [N]) also its CE and choices [N] (`selector_ce`). Chunked
+    over rows as `weighted_ce`."""
+    objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     top = tuple(target_topk) if target_topk is not None else (None, None, None)
     if hidden.shape[0] <= chunk_rows:
-        return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top, selector, prev)
+        return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top, selector, prev, objective,
+                           temperature)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
     for h, y, t, a, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
                                split(prev), *(split(t) for t in top)):
-        parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, selector, a, use_reentrant=False))
+        parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, selector, a, objective, temperature,
+                                use_reentrant=False))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 

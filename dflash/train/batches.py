@@ -100,7 +100,7 @@ class Batch:
     """Real (not padding) blocks packed: the anchors sampled."""
     topk: TopK | None = None
     """[b, L, k] (rest [b, L]) the target's stored top-k next-token distributions (offline, from a cache
-    extracted with features.topk_logits, for loss=kl); else None. Padding positions hold zeros."""
+    extracted with features.topk_logits, for the soft-label losses); else None. Padding positions hold zeros."""
 
     def pin_memory(self) -> Batch:
         """A copy with every tensor (the packed blocks' too) in page-locked memory: what the DataLoader calls
@@ -115,7 +115,7 @@ class MicroBatches(torch.utils.data.Dataset):
     def __init__(self, source, schedule: Schedule, rank: int, start_step: int, total_steps: int,
                  num_anchors: int, block_size: int, mask_token_id: int, gamma: float, topk: bool = False):
         self.source, self.schedule, self.rank = source, schedule, rank
-        self.topk = topk  # read the source's stored top-k distributions (loss=kl offline)
+        self.topk = topk  # read the source's stored top-k distributions (soft-label losses offline)
         self.start_step, self.total_steps = start_step, total_steps
         self.num_anchors, self.block_size, self.mask_token_id = num_anchors, block_size, mask_token_id
         self.weights = slot_weights(block_size, gamma).double()

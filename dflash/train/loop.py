@@ -110,7 +110,7 @@ def train(job: JobConfig) -> Path:
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
-                        drafter.block_size, drafter.mask_token_id, gamma, topk=job.loss.objective == "kl")
+                        drafter.block_size, drafter.mask_token_id, gamma, topk=job.loss.soft_labels)
     # pinned (Batch.pin_memory) on CUDA, so train_step's non_blocking copies do not wait for the device
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
                                                pin_memory=acc.device.type == "cuda"))

@@ -73,17 +73,18 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
 
 
 def check_soft_labels(job: JobConfig, manifest: dict | None) -> None:
-    """loss=kl offline needs the target's top-k distributions in the cache (features.topk_logits): refuse,
-    before any extraction or training, a cache without them (`manifest`) or an extraction that would not
-    store them (manifest None)."""
-    if job.loss.objective != "kl":
+    """A soft-label loss (loss=kl, tv, nla, expected_tau) offline needs the target's top-k distributions in
+    the cache (features.topk_logits): refuse, before any extraction or training, a cache without them
+    (`manifest`) or an extraction that would not store them (manifest None)."""
+    if not job.loss.soft_labels:
         return
+    loss = f"loss={job.loss.objective}"
     if manifest is None and not job.features.topk_logits:
-        raise ConfigError("loss=kl trains on the target's next-token distributions, and features.topk_logits=0 "
-                          "extracts none into the cache: set features.topk_logits (e.g. 64), or train with "
-                          "train.mode=online")
+        raise ConfigError(f"{loss} trains on the target's next-token distributions, and features.topk_logits=0 "
+                          f"extracts none into the cache: set features.topk_logits (e.g. 64), or train with "
+                          f"train.mode=online")
     if manifest is not None and not manifest.get("topk_logits"):
-        raise ConfigError(f"loss=kl trains on the target's next-token distributions, and the feature cache "
+        raise ConfigError(f"{loss} trains on the target's next-token distributions, and the feature cache "
                           f"{job.features.dir} stores none (extracted without features.topk_logits): extract "
                           f"into a new features.dir with features.topk_logits=64 (say), or train with "
                           f"train.mode=online")

@@ -55,8 +55,8 @@ def batch_features(acc, target, drafter, batch: Batch) -> torch.Tensor:
 
 
 def features_and_logits(acc, target, drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online, for the soft-label loss (loss=kl): (features float32 [b, L, n_layers*H], logits [b, L, vocab])
-    from one target forward."""
+    """Online, for the soft-label losses (loss=kl, tv, nla, expected_tau): (features float32
+    [b, L, n_layers*H], logits [b, L, vocab]) from one target forward."""
     ids = to_device(batch.input_ids, acc.device)
     out = target_forward(target, ids, drafter.target_layer_ids, attention_mask=_padding_mask(acc, batch, *ids.shape),
                          logits_to_keep=0)
@@ -71,15 +71,17 @@ def _padding_mask(acc, batch: Batch, b: int, L: int) -> torch.Tensor | None:
     return (torch.arange(L, device=acc.device)[None] < lengths[:, None]).long()
 
 
-def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev) -> dict:
+def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev,
+                 objective: str = "kl") -> dict:
     """block_loss's soft-label argument at the labelled rows: the target's full logits (online), or the
-    top-k distributions the cache stores (offline, features.topk_logits)."""
+    top-k distributions the cache stores (offline, features.topk_logits). objective: loss.objective, for the
+    error."""
     if logits is not None:
         return {"target_logits": label_logits(logits, blocks.anchors, rows, blocks.block_size)}
     if batch.topk is None:
-        raise ConfigError("loss=kl needs the target's next-token distributions, and this micro-batch has none: "
-                          "the feature cache was extracted without features.topk_logits. Extract into a new "
-                          "features.dir with features.topk_logits=64 (say), or train with train.mode=online")
+        raise ConfigError(f"loss={objective} needs the target's next-token distributions, and this micro-batch "
+                          "has none: the feature cache was extracted without features.topk_logits. Extract into a "
+                          "new features.dir with features.topk_logits=64 (say), or train with train.mode=online")
     at = lambda t: label_logits(to_device(t, dev), blocks.anchors, rows, blocks.block_size)  # noqa: E731
     return {"target_topk": (at(batch.topk.logprobs), at(batch.topk.ids), at(batch.topk.rest[..., None])[:, 0])}
 
@@ -127,8 +129,10 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
         # only when the per-slot loss has another normaliser)
         decay_w = total_w if not by_anchor and cfg.weighting == "decay" else global_weight(acc, micro)
         selector_scale = cfg.selector_weight * acc.num_processes / decay_w.clamp_min(1e-12)
-    soft, dyn_weights = cfg.objective == "kl", []
+    soft, dyn_weights = cfg.soft_labels, []
     options = {} if cfg.objective == "decay_ce" else {"weighting": cfg.weighting, "alpha": cfg.alpha}
+    if soft:  # expected_tau's weight_sum is its blocks with a label: loss.normalize=anchor's normaliser
+        options.update(objective=cfg.objective, temperature=cfg.temperature)
     scale = acc.num_processes / total_w.clamp_min(1e-12)  # DDP averages gradients over processes
     window, n_layers = state.window, len(m.drafter.target_layer_ids)
     losses = []  # per micro-batch, on the device: which one was non-finite is found after the check
@@ -147,7 +151,7 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                                       num_blocks=job.train.num_anchors)
                 rows = to_device(batch.label_rows, dev)
                 if soft:
-                    options.update(soft_targets(batch, logits, blocks, rows, dev))
+                    options.update(soft_targets(batch, logits, blocks, rows, dev, cfg.objective))
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
                                     job.loss.chunk_logits, rows=rows, selector=selector, **options)
                 loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0

@@ -1,5 +1,6 @@
-"""The training step with the other loss members and optimizers: loss=dpace (both normalisations), loss=kl
-(online), optim=muon; exact accumulation, exact resume, and the offline refusal of a soft loss."""
+"""The training step with the other loss members and optimizers: loss=dpace (both normalisations), loss=kl,
+tv, nla, expected_tau (online), optim=muon; exact accumulation, exact resume, and the offline refusal of a soft
+loss."""
 
 from types import SimpleNamespace
 
@@ -29,10 +30,13 @@ def losses(run):
 @pytest.mark.parametrize("member", [
     ("loss=dpace",), ("loss=dpace", "loss.normalize=weights"),
     ("loss=kl", "train.mode=online"), ("loss=kl", "loss.kl_weights=dpace", "train.mode=online"),
+    ("loss=tv", "train.mode=online"), ("loss=nla", "loss.kl_weights=dpace", "train.mode=online"),
+    ("loss=expected_tau", "loss.temperature=0.7", "train.mode=online"),
     ("optim=muon",)], ids=lambda m: "+".join(m))
 def test_two_micro_batches_equal_one_batch_of_both(workdir, member):
     """The step's normaliser (valid anchors, or the D-PACE weight sum known only after the forwards) is the
-    whole step's: batch 2 equals batch 1 x grad_accum 2 (the losses logged and the weights)."""
+    whole step's: batch 2 equals batch 1 x grad_accum 2 (the losses logged and the weights). expected_tau's
+    normaliser is its blocks with a label: the valid anchors."""
     tag = "-".join(m.split("=")[-1] for m in member)
     common = ("train.max_steps=2", "train.save_every=2", "eval.every=0", *member)
     one = train(job_for(workdir, f"one-{tag}", "train.batch_size=2", *common))
@@ -51,9 +55,20 @@ def test_muon_resume_reproduces_the_uninterrupted_run(workdir, monkeypatch):
                              "train.batch_size=2", "optim=muon", "loss=dpace"), steps=6, cut=3)
 
 
-def test_a_soft_loss_on_a_cache_without_logits_is_refused(workdir):
-    with pytest.raises(ConfigError, match="loss=kl .*train.mode=online"):
-        train(job_for(workdir, "kl-offline", "loss=kl", "train.max_steps=1"))
+@pytest.mark.parametrize("objective", ["kl", "tv", "expected_tau"])
+def test_a_soft_loss_on_a_cache_without_logits_is_refused(workdir, objective):
+    with pytest.raises(ConfigError, match=f"loss={objective} .*train.mode=online"):
+        train(job_for(workdir, f"{objective}-offline", f"loss={objective}", "train.max_steps=1"))
+
+
+@pytest.mark.parametrize("objective", ["tv", "nla", "expected_tau"])
+def test_an_acceptance_loss_trains_online(workdir, objective):
+    run = train(job_for(workdir, f"{objective}-online", f"loss={objective}", "train.mode=online",
+                        "train.max_steps=2", "train.save_every=1", "train.batch_size=2", "eval.every=0"))
+    a = losses(run)
+    assert len(a) == 2 and all(torch.isfinite(torch.tensor(a))) and all(x >= 0 for x in a)
+    first = load_file(run / "checkpoints/step-000001/train_state/weights_fp32.safetensors")
+    assert any(not torch.equal(first[k], w) for k, w in weights(run).items())
 
 
 def test_weight_normalised_dpace_gradients_are_those_of_the_weight_mean():
@@ -69,13 +84,16 @@ def test_weight_normalised_dpace_gradients_are_those_of_the_weight_mean():
     assert total.item() == 8.0 and torch.allclose(model.weight.grad, expected)
 
 
-def test_offline_topk_kl_with_the_whole_vocabulary_equals_online_kl(workdir):
+@pytest.mark.parametrize("objective", ["kl", "expected_tau"])
+def test_offline_topk_kl_with_the_whole_vocabulary_equals_online_kl(workdir, objective):
     """A cache extracted with features.topk_logits = vocab (262 for the tiny target) holds the whole
-    distribution: offline KL trains as online KL does (float32 features, so the features agree too)."""
-    common = ("train.max_steps=3", "loss=kl", "features.storage=float32", "train.batch_size=2")
-    off = train(job_for(workdir, "kl-off", *common, "features.topk_logits=262",
+    distribution: offline KL (or expected_tau) trains as online does (float32 features, so the features agree
+    too)."""
+    common = ("train.max_steps=3", f"loss={objective}", "features.storage=float32", "train.batch_size=2")
+    off = train(job_for(workdir, f"{objective}-off", *common, "features.topk_logits=262",
                         f"features.dir={workdir}/cache-top/features"))
-    on = train(job_for(workdir, "kl-on", *common, "train.mode=online", f"features.dir={workdir}/cache-top/features"))
+    on = train(job_for(workdir, f"{objective}-on", *common, "train.mode=online",
+                       f"features.dir={workdir}/cache-top/features"))
     a, b = losses(off), losses(on)
     assert len(a) == 3 and all(abs(x - y) < 1e-4 for x, y in zip(a, b)), (a, b)
 
