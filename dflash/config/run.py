@@ -145,7 +145,26 @@ class EvalConfig:
     ddtree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     """DDTree node budgets N for ddtree@N."""
     temperature: float = 0.0
-    """Live mode sampling temperature (0 = greedy; >0 verifies by exact match of sampled tokens)."""
+    """Sampling temperature (0 = greedy). Live: drafts sampled from the drafter after the target's transform and
+    verified by `verifier`; teacher-forced: the held-out completions are sampled at it and the expected
+    acceptance under rejection sampling is reported beside the greedy numbers (dflash.evaluate.teacher_forced)."""
+    top_p: float = 1.0
+    """Nucleus sampling of target and drafter alike (1 = off); used when temperature > 0."""
+    top_k: int = 0
+    """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
+    verifier: str = "rejection"
+    """Live mode at temperature > 0: rejection (speculative sampling: lossless, the acceptance servers get),
+    seeded (exact match of the target's seeded draws: the output equals plain sampling token for token, and
+    accepts less) or exact_match (greedy drafts accepted when they equal the target's sample: how the reference
+    benchmark measured its temperature-1 tables)."""
+    seed: int = 0
+    """Sampling's randomness (temperature > 0): the seed of the sampled held-out completions and, with the prompt's
+    index, of each live decoding; another seed is another sample of the same distributions (error bars)."""
+    topk_logits: int = 256
+    """At temperature > 0, the held-out set stores the target's top-k next-token distribution, k = this, for the
+    expected acceptance: exact when k covers the vocabulary or eval.top_k <= k; otherwise at temperature 1 alpha
+    is an upper bound (the other tokens are one bucket), at other temperatures the k tokens are renormalised
+    (dflash.drafter.sampling.stored_probs)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
     suite: str | None = None
@@ -178,6 +197,11 @@ class EvalConfig:
             positive(f"eval.{key}", getattr(self, key))
         positive("eval.every", self.every, allow_zero=True)
         positive("eval.temperature", self.temperature, allow_zero=True)
+        one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"eval.top_p={self.top_p} must be in (0, 1] (1 = off)")
+        positive("eval.top_k", self.top_k, allow_zero=True)
+        positive("eval.topk_logits", self.topk_logits)
         for n in self.ddtree_budgets:
             positive("eval.ddtree_budgets[*]", n)
 

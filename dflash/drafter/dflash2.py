@@ -164,17 +164,18 @@ class CandidateSelector(nn.Module):
 
 
 def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, depth: int | None = None,
-              temperature: float = 0.0, draw=None) -> list[int]:
+              draw=None) -> list[int]:
     """The selector's path for one block: its tokens.
 
     cand [S, K], first [K], table [S-1, K, K] (one block of `selector_tables`); depth: slots to walk (default
-    all S). Temperature 0 takes the best candidate; T > 0 draws from softmax(score / T) over the K candidates
-    with draw(probs [K], slot) -> index. The greedy walk reads its argmax table back once: no per-slot sync.
+    all S). Without `draw` it takes the best candidate (temperature 0) and reads its argmax table back once: no
+    per-slot sync. draw(scores [K], slot) -> index samples a candidate from the slot's scores (the caller
+    applies the sampling transform, dflash.drafter.sampling, and keeps the distribution it drew from).
     """
     S = cand.shape[0] if depth is None else min(depth, cand.shape[0])
     if S <= 0:
         return []
-    if temperature <= 0:
+    if draw is None:
         best_first, best = int(first.argmax()), table.argmax(-1).tolist()  # [S-1][K]: next index after index i
         idx = [best_first]
         for s in range(S - 1):
@@ -182,7 +183,7 @@ def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, dept
     else:
         idx, row = [], first
         for s in range(S):
-            idx.append(int(draw(torch.softmax(row.float() / temperature, -1), s)))
+            idx.append(int(draw(row, s)))
             if s + 1 < S:
                 row = table[s, idx[-1]]
     return cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist()

@@ -8,14 +8,15 @@ committed text: attention layers are cropped, linear-attention (Gated DeltaNet) 
 states recorded at the last accepted position during verification (dflash.evaluate.states), so a
 hybrid target too needs one forward per block, no replay.
 
-Sampling (temperature > 0) draws the target's token at absolute position t from a generator
-seeded by (seed, t), so speculative and plain decoding make the same draws: the output must
-match plain decoding token for token at any temperature.
+Sampling (temperature > 0, with top-p / top-k: dflash.drafter.sampling) drafts from the drafter's distribution
+after the target's transform and verifies by rejection sampling (dflash.evaluate.rules): the output is
+distributed exactly as plain sampling's (tests/evaluate/test_lossless_sampling.py shows it statistically).
+verifier="seeded" instead draws the target's token at position t from a generator seeded by (seed, t), as
+`greedy_generate` does, and accepts exact matches: the output then equals plain decoding token for token.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import selector_tables, walk_path
+from dflash.drafter.sampling import Sampling, probs
+from dflash.evaluate.rules import Rule, SeededMatch, make_rule, plain_sample, seeded_draw
 from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
@@ -45,33 +48,20 @@ class SpecResult:
     draft_tokens: list[list[int]] = field(default_factory=list)
 
 
-def _position_seed(seed: int, position: int) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest(), "little") >> 1
-
-
-def choose(logits: torch.Tensor, temperature: float, seed: int, first_position: int) -> torch.Tensor:
-    """The target's token for each row of logits [n, V]; row i is absolute position first_position + i."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)
-    out = []
-    for i in range(probs.shape[0]):
-        g = torch.Generator(device=probs.device).manual_seed(_position_seed(seed, first_position + i))
-        out.append(torch.multinomial(probs[i], 1, generator=g))
-    return torch.cat(out)
-
-
 @torch.no_grad()
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                    seed: int = 0, stop_token_ids: list[int] | None = None) -> torch.Tensor:
-    """Plain decoding, one token per target forward, through the same feature function."""
+                    seed: int = 0, stop_token_ids: list[int] | None = None, top_p: float = 1.0,
+                    top_k: int = 0) -> torch.Tensor:
+    """Plain decoding, one token per target forward, through the same feature function: greedy, or at
+    temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.evaluate.rules)."""
     target = as_target(target)
+    sampling = Sampling(temperature, top_p, top_k)
     stops = set(stop_token_ids or [])
     cache = new_cache(target, recording=False)
     out = target_forward(target, input_ids, [], cache=cache, logits_to_keep=1)
     ids = input_ids[0].tolist()
     while True:
-        token = int(choose(out.logits[0, -1:], temperature, seed, len(ids))[0])
+        token = plain_sample(out.logits[0, -1:], sampling, seed, len(ids))[0]
         ids.append(token)
         if len(ids) - input_ids.shape[1] >= max_new_tokens or token in stops:
             break
@@ -83,7 +73,8 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temper
 @torch.no_grad()
 def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
-                         seed: int = 0, tree: str = "marginal") -> SpecResult:
+                         seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
+                         verifier: str = "rejection") -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -93,9 +84,15 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     A DFlash 2 drafter drafts its candidate selector's path (dflash.drafter.dflash2); tree="pairwise" builds
     its DDTree from the selector's pairwise scores (a child conditioned on its parent's token) instead of the
     per-slot marginals ("marginal").
+    temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling);
+    verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
+    to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
+    sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
     """
     target = as_target(target)
     drafter.eval()
+    sampling = Sampling(temperature, top_p, top_k)
+    rule = make_rule(sampling, verifier, seed, input_ids.device)
     stops = set(stop_token_ids or [])
     layer_ids = drafter.target_layer_ids
     embed, head = target.embed_tokens, target.lm_head
@@ -104,7 +101,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     out = target_forward(target, input_ids, layer_ids, cache=cache, logits_to_keep=1)
     settle(cache)
     ids = input_ids[0].tolist()
-    ids.append(int(choose(out.logits[0, -1:], temperature, seed, prompt_len)[0]))
+    ids.append(rule.sample(out.logits[0, -1], prompt_len))
     pending = out.features  # context features not yet in the drafter's cache (positions < p)
     result = SpecResult(output_ids=input_ids, acceptance_lengths=[])
     dtype = next(drafter.parameters()).dtype
@@ -113,9 +110,6 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     if tree == "pairwise" and drafter.candidate_selector is None:
         raise ValueError("tree='pairwise' builds the DDTree from DFlash 2's selector; this drafter is DFlash 1")
     verify_tree = verify_tree_sequence if target.tree_verification() == "sequence" else verify_tree_paths
-
-    def pick(logits: torch.Tensor, first_position: int) -> list[int]:
-        return choose(logits, temperature, seed, first_position).tolist()
 
     while len(ids) - prompt_len < max_new_tokens and ids[-1] not in stops:
         p = len(ids) - 1
@@ -129,18 +123,14 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             tables = [t[0] for t in selector_tables(drafter.candidate_selector, hidden[:, 1:], logits[None],
                                                     anchor_token)]
         if tree_budget is None:
-            if tables is not None:
-                drafts = walk_path(*tables, depth=room - 1, temperature=temperature,
-                                   draw=lambda probs, s: seeded_draw(probs, seed + 1, p + 1 + s))
-            else:
-                drafts = choose(logits, temperature, seed + 1, p + 1)[: room - 1].tolist() if room > 1 else []
-            verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, pick)
+            drafts, q = draft_chain(logits, tables, room - 1, rule, p)
+            verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q)
         else:
             if tree == "pairwise":
                 draft, drafts = draft_tree_pairwise(tables, tree_budget, room)
             else:
                 draft, drafts = draft_tree(logits, tree_budget, room)
-            verdict = verify_tree(target, layer_ids, cache, ids[-1], draft, p, pick)
+            verdict = verify_tree(target, layer_ids, cache, ids[-1], draft, p, rule)
         result.target_forwards += 1
         result.verify_tokens += verdict.tokens
         result.draft_tokens.append(drafts)
@@ -155,10 +145,42 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     return result
 
 
-def seeded_draw(probs: torch.Tensor, seed: int, position: int) -> int:
-    """An index drawn from probs [n] by the generator of (seed, position), as `choose` draws."""
-    g = torch.Generator(device=probs.device).manual_seed(_position_seed(seed, position))
-    return int(torch.multinomial(probs, 1, generator=g))
+def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int) -> tuple[list[int], torch.Tensor | None]:
+    """The drafted chain of one block (at most `depth` tokens) and the distributions [depth, V] it was drawn from
+    (None when chosen: greedy, verifier exact_match, or the seeded scheme, whose verification ignores q).
+
+    logits [S, V]: the drafter's slots 1..S; tables: DFlash 2's selector tables (cand, first, table) or None.
+    Greedy: the argmax per slot (DFlash 2: the selector's best walk). Sampling: each slot from the drafter's
+    distribution after the rule's transform; DFlash 2 walks its selector, drawing each slot among the K
+    candidates from the transformed scores after the previous draw, q zero off the candidates. The seeded
+    scheme draws by the generator of (seed + 1, position), so drafts are reproducible apart from the target's.
+    """
+    depth = max(0, min(depth, logits.shape[0]))
+    sampling = rule.sampling
+    if depth == 0:
+        return [], None
+    if sampling.greedy or getattr(rule, "greedy_drafts", False):
+        return (walk_path(*tables, depth=depth) if tables is not None else logits[:depth].argmax(-1).tolist()), None
+    seeded = rule.seed if isinstance(rule, SeededMatch) else None
+    if tables is None:
+        q = probs(logits[:depth], sampling)
+        if seeded is not None:
+            return [seeded_draw(q[s], seeded + 1, p + 1 + s) for s in range(depth)], None
+        return torch.multinomial(q, 1, generator=rule.generator)[:, 0].tolist(), q
+    cand = tables[0]
+    rows = []
+
+    def draw(scores: torch.Tensor, s: int) -> int:
+        rows.append(probs(scores, sampling))
+        if seeded is not None:
+            return seeded_draw(rows[-1], seeded + 1, p + 1 + s)
+        return int(torch.multinomial(rows[-1], 1, generator=rule.generator))
+
+    drafts = walk_path(*tables, depth=depth, draw=draw)
+    if seeded is not None:
+        return drafts, None
+    q = torch.zeros(depth, logits.shape[-1], device=logits.device).scatter_(-1, cand[:depth], torch.stack(rows))
+    return drafts, q
 
 
 def draft_tree_pairwise(tables, budget: int, room: int) -> tuple[Tree, list[int]]:

@@ -1,5 +1,8 @@
-"""Live evaluation: real speculative decoding on the held-out prompts, checked against plain
-decoding of the target token for token, timed side by side.
+"""Live evaluation: real speculative decoding on the held-out prompts, timed side by side with plain decoding
+of the target. Greedy decoding (and sampling with eval.verifier=seeded) is checked against plain decoding
+token for token; sampling verified by rejection sampling writes other text than plain sampling with the same
+seed, so it is not compared token by token: its losslessness is a property of the output distribution,
+shown statistically by tests/evaluate/test_lossless_sampling.py.
 
 Cost model, per verification (one target forward each, hybrid targets included: no replay):
 `tokens_per_forward` = generated tokens / target forwards (the prompt's included; plain decoding is 1.0),
@@ -18,7 +21,8 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.data.prompts import encode, load_prompts, prompt_text
-from dflash.drafter.metrics import tau_histogram
+from dflash.drafter.metrics import ratio_se, tau_histogram
+from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
 from dflash.evaluate.decode import greedy_generate, speculative_generate
 from dflash.target.features import target_forward
@@ -59,32 +63,38 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
     stops = target.stop_token_ids()
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
+    knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
     # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
     budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
                *[(b, "pairwise") for b in cfg.ddtree_budgets if drafter.candidate_selector is not None]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
-    totals = {b: {**dict.fromkeys(fields, 0), "taus": []} for b in budgets}
+    totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
     progress = Progress(len(prompts), "live eval", "prompts")
     for n, prompt in enumerate(prompts):
         text = prompt_text(target.tokenizer, prompt, data.chat_template, data.enable_thinking)
         ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
         t0 = time.perf_counter()
-        plain = greedy_generate(target, ids, cfg.max_new_tokens, cfg.temperature, seed=n, stop_token_ids=stops)
+        seed = cfg.seed * 100_003 + n
+        plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops, **knobs)
         plain_time += time.perf_counter() - t0
         for budget, tree in budgets:
             t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, cfg.temperature, budget, stops, seed=n,
-                                       tree=tree)
+            res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
+                                       stop_token_ids=stops, seed=seed, tree=tree, verifier=cfg.verifier, **knobs)
             tot = totals[budget, tree]
             tot["time"] += time.perf_counter() - t0
-            ties += not check_lossless(target, prompt.id, plain[0].tolist(), res.output_ids[0].tolist(),
-                                       ids.shape[1], tie)
+            if compared:
+                ties += not check_lossless(target, prompt.id, plain[0].tolist(), res.output_ids[0].tolist(),
+                                           ids.shape[1], tie)
             tot["tokens"] += res.output_ids.shape[1] - ids.shape[1]
             tot["forwards"] += res.target_forwards
             tot["verifies"] += len(res.acceptance_lengths)
             tot["verify_tokens"] += res.verify_tokens
             tot["taus"] += res.acceptance_lengths
+            tot["per_prompt"].append((sum(res.acceptance_lengths), len(res.acceptance_lengths)))
             for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
                 records.append({"prompt_id": prompt.id, "tree_budget": budget, "tree": tree, "step": step,
                                 "tau": tau, "draft_tokens": drafts})
@@ -97,6 +107,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                   f"eval/live_ddtree_pair@{budget}_")
         metrics.update({
             f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
+            f"{prefix}tau_se": ratio_se(tot["per_prompt"]),
             f"{prefix}tokens_per_forward": tot["tokens"] / max(1, tot["forwards"]),
             f"{prefix}tokens_per_verify": tot["tokens"] / max(1, tot["verifies"]),
             f"{prefix}verify_cost": tot["verify_tokens"] / max(1, tot["verifies"]),
@@ -105,5 +116,8 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         })
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
-               "tree_verification": target.tree_verification()}
+               "tree_verification": target.tree_verification(),
+               "sampling": {**knobs, "verifier": cfg.verifier, "seed": cfg.seed},
+               "compared_with_plain": compared}
     return records, summary
+

@@ -10,7 +10,9 @@
   committed context, the cache copied per row for that forward (P paths of at most D drafts: P x (1 + D)
   tokens, and P copies of the attention KV of the context); the row of the longest accepted path is kept.
 Linear-attention states are recorded per verified position during the forward (dflash.evaluate.states), so
-no verification is followed by a replay: one target forward per block, chain or tree.
+no verification is followed by a replay: one target forward per block, chain or tree. Which drafts are accepted
+and which token the target adds is the run's rule (dflash.evaluate.rules: greedy, rejection sampling, seeded
+or exact match), the same for the chain and for every tree node.
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash.drafter.ddtree import Tree
+from dflash.evaluate.rules import Rule
 from dflash.evaluate.states import StateRecorder, commit, keep_attention, select_rows
 from dflash.target.features import target_forward
-
-Pick = Callable[[torch.Tensor, int], list[int]]
-"""The target's token for each row of logits [n, V], the first row at the given absolute position."""
 
 
 @dataclass
@@ -41,38 +41,41 @@ class Verdict:
     """Tokens the target forward processed (its cost)."""
 
 
-def verify_chain(target, layer_ids, cache, anchor: int, drafts: list[int], p: int, pick: Pick) -> Verdict:
-    """Verify [x_p, d_1..d_m] (the cache holds positions < p)."""
+def verify_chain(target, layer_ids, cache, anchor: int, drafts: list[int], p: int, rule: Rule,
+                 q: torch.Tensor | None = None) -> Verdict:
+    """Verify [x_p, d_1..d_m] (the cache holds positions < p) by `rule` (dflash.evaluate.rules); q [m, V]: the
+    distributions the drafts were drawn from (None: chosen, as greedy drafts are)."""
     block = torch.tensor([[anchor] + drafts], device=target.device)
     n = block.shape[1]
     recorder = StateRecorder(target, [(0, t) for t in range(n)]) if target.is_hybrid and n > 1 else None
     with recorder.recording() if recorder else nullcontext():
         out = target_forward(target, block, layer_ids, cache=cache, logits_to_keep=0)
-    post = pick(out.logits[0], p + 1)
-    a = 0
-    while a < len(drafts) and drafts[a] == post[a]:
-        a += 1
+    a, bonus = rule.chain(out.logits[0], p + 1, drafts, q)
     commit(cache, p, a + 1, n, recorder.state(a) if recorder else None)
-    return Verdict(drafts[:a], post[a], out.features[:, : a + 1], n)
+    return Verdict(drafts[:a], bonus, out.features[:, : a + 1], n)
 
 
-def _children(tree: Tree) -> dict[tuple[int, int], int]:
-    return {(parent, token): i for i, (parent, token) in enumerate(zip(tree.parents, tree.tokens))}
+def _children(tree: Tree) -> dict[int, list[int]]:
+    """{node: its children's node indices in node order (best first)}; -1 is the root."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(i)
+    return children
 
 
-def _walk(tree: Tree, logits_of: Callable[[int], torch.Tensor], p: int, pick: Pick) -> tuple[list[int], list[int], int]:
-    """Follow the target's choices down the tree: (accepted tokens, their nodes, bonus). logits_of(node) is the
+def _walk(tree: Tree, logits_of: Callable[[int], torch.Tensor], p: int, rule: Rule) -> tuple[list[int], list[int], int]:
+    """Follow the rule's choices down the tree: (accepted tokens, their nodes, bonus). logits_of(node) is the
     target's next-token logits [1, V] after `node` (-1: the root)."""
     children = _children(tree)
     node, nodes, accepted = -1, [], []
     while True:
-        choice = pick(logits_of(node), p + 1 + len(accepted))[0]
-        nxt = children.get((node, choice))
-        if nxt is None:
-            return accepted, nodes, choice
-        accepted.append(choice)
-        nodes.append(nxt)
-        node = nxt
+        kids = children.get(node, [])
+        i, token = rule.node(logits_of(node)[0], p + 1 + len(accepted), [tree.tokens[k] for k in kids])
+        if i < 0:
+            return accepted, nodes, token
+        accepted.append(token)
+        nodes.append(kids[i])
+        node = kids[i]
 
 
 def _seen(parents: list[int], past: int, device) -> torch.Tensor:
@@ -112,13 +115,13 @@ def tree_masks(target, tree: Tree, past: int) -> torch.Tensor | dict[str, torch.
     return masks
 
 
-def verify_tree_sequence(target, layer_ids, cache, anchor: int, tree: Tree, p: int, pick: Pick) -> Verdict:
+def verify_tree_sequence(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule) -> Verdict:
     """The tree as one sequence under an ancestor-only mask; the accepted path's KV kept."""
     tokens = torch.tensor([[anchor] + tree.tokens], device=target.device)
     positions = torch.tensor([[p] + [p + d for d in tree.depths]], device=target.device)
     out = target_forward(target, tokens, layer_ids, attention_mask=tree_masks(target, tree, p),
                          position_ids=positions, cache=cache, logits_to_keep=0)
-    accepted, nodes, bonus = _walk(tree, lambda node: out.logits[0, node + 1: node + 2], p, pick)
+    accepted, nodes, bonus = _walk(tree, lambda node: out.logits[0, node + 1: node + 2], p, rule)
     path = [0] + [i + 1 for i in nodes]
     keep_attention(cache, torch.cat([torch.arange(p, device=target.device),
                                      p + torch.tensor(path, device=target.device)]))
@@ -139,7 +142,7 @@ def tree_paths(tree: Tree) -> list[list[int]]:
     return paths or [[]]
 
 
-def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int, pick: Pick) -> Verdict:
+def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule) -> Verdict:
     """The tree as a batch of its root-to-leaf paths; the row of the accepted path is the cache kept."""
     paths = tree_paths(tree)
     width = 1 + max(len(path) for path in paths)
@@ -154,7 +157,7 @@ def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int,
     select_rows(cache, torch.zeros(len(paths), dtype=torch.long, device=target.device))
     with recorder.recording() if recorder else nullcontext():
         out = target_forward(target, ids, layer_ids, cache=cache, logits_to_keep=0)
-    accepted, nodes, bonus = _walk(tree, lambda node: out.logits[where[node][0], where[node][1]][None], p, pick)
+    accepted, nodes, bonus = _walk(tree, lambda node: out.logits[where[node][0], where[node][1]][None], p, rule)
     last = nodes[-1] if nodes else -1
     row, t = where[last]
     select_rows(cache, torch.tensor([row], device=target.device))

@@ -61,14 +61,14 @@ def test_tree_recovers_drafts_the_single_path_misses(tiny_targets):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_sampling_matches_plain_sampling_token_for_token(tiny_target, kind):
-    """At temperature the drafts (DFlash 2: drawn from its selector's distribution over the candidates) are
-    verified against the target's seeded draws: the output is plain sampling's."""
+def test_seeded_sampling_matches_plain_sampling_token_for_token(tiny_target, kind):
+    """verifier="seeded": at temperature the drafts (DFlash 2: drawn from its selector's distribution over the
+    candidates) are verified against the target's seeded draws: the output is plain sampling's."""
     ids = prompt(3)
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4, kind=kind, selector_rank=16),
                             LayersConfig(num=2), tiny_target)
     plain = greedy_generate(tiny_target, ids, 30, temperature=0.8, seed=5)
-    res = speculative_generate(drafter, tiny_target, ids, 30, temperature=0.8, seed=5)
+    res = speculative_generate(drafter, tiny_target, ids, 30, temperature=0.8, seed=5, verifier="seeded")
     assert torch.equal(res.output_ids, plain)
     assert not torch.equal(plain, greedy_generate(tiny_target, ids, 30))
 

@@ -8,6 +8,8 @@ import dflash.evaluate.decode as decode
 from dflash.drafter.ddtree import Tree, ddtree_tau
 from dflash.evaluate.decode import greedy_generate, speculative_generate
 from dflash.evaluate.states import new_cache, settle
+from dflash.drafter.sampling import Sampling
+from dflash.evaluate.rules import Greedy
 from dflash.evaluate.verify import tree_masks, tree_paths, verify_tree_paths
 from dflash.target.features import target_forward
 from tests.oracle import OracleDrafter
@@ -81,11 +83,12 @@ def test_paths_batch_gives_each_node_its_own_paths_logits(targets):
     tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3])
     seen = {}
 
-    def pick(logits, first):  # accept 5 then 7, reject below 7 (the target must then say something not 8)
-        seen[first] = logits
-        return [{p + 1: 5, p + 2: 7}.get(first, 3)]
+    class Scripted(Greedy):  # accept 5 then 7, reject below 7 (the target must then say something not 8)
+        def tokens(self, logits, first):
+            seen[first] = logits
+            return [{p + 1: 5, p + 2: 7}.get(first, 3)]
 
-    verdict = verify_tree_paths(target, [1, 3], cache, int(ids[0, p]), tree, p, pick)
+    verdict = verify_tree_paths(target, [1, 3], cache, int(ids[0, p]), tree, p, Scripted(Sampling()))
     assert verdict.accepted == [5, 7] and verdict.bonus == 3 and verdict.tokens == 2 * 4
     for first, path in ((p + 1, []), (p + 2, [5]), (p + 3, [5, 7])):
         alone = target_forward(target, torch.cat([ids[:, : p + 1], torch.tensor([path], dtype=torch.long)], 1), [],
