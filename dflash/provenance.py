@@ -99,7 +99,9 @@ def generation_settings(target, completions, chat_template: bool, enable_thinkin
     """What a stored completion depends on; a completions store made with other values is refused."""
     return {"target": target.fingerprint, "tokenizer": tokenizer_fingerprint(target.tokenizer),
             "max_new_tokens": completions.max_new_tokens, "chat_template": chat_template,
-            "enable_thinking": enable_thinking, "stop": list(completions.stop)}
+            "enable_thinking": enable_thinking, "stop": list(completions.stop),
+            **({"temperature": completions.temperature, "top_p": completions.top_p, "top_k": completions.top_k,
+                "seed": completions.seed} if completions.temperature > 0 else {})}
 
 
 def _show(value) -> str:

@@ -35,6 +35,15 @@ class CompletionsConfig:
     """Attempts per request (with exponential backoff) before failing."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings; the tokenizer's end-of-turn tokens always stop."""
+    temperature: float = 0.0
+    """0 = greedy completions (the paper's); > 0 samples them (with top_p, top_k, seed): the held-out set at
+    eval.temperature > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling of the completions (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling of the completions (0 = off)."""
+    seed: int = 0
+    """Sampled completions: the generator seed of each generate call (hf) or request (server)."""
     token_ids: bool = True
     """Ask the server for the generated token ids (vLLM's return_token_ids), so nothing is re-tokenized;
     false for servers that refuse the field (their text is re-tokenized, and the manifest counts it)."""
@@ -46,6 +55,10 @@ class CompletionsConfig:
         for key in ("max_new_tokens", "batch_size", "concurrency", "ready_timeout_s",
                     "request_timeout_s", "retries"):
             positive(f"data.completions.{key}", getattr(self, key))
+        positive("data.completions.temperature", self.temperature, allow_zero=True)
+        positive("data.completions.top_k", self.top_k, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"data.completions.top_p={self.top_p} must be in (0, 1] (1 = off)")
 
 
 @dataclass
@@ -98,8 +111,9 @@ class FeaturesConfig:
     """Token budget of one padded extraction batch."""
     topk_logits: int = 0
     """Also store, per position, the target's k most likely next tokens (ids and log-probabilities) and the
-    probability mass left outside them, for soft-label training offline (loss=kl); 0 = none. Extraction then
-    makes batch_tokens x vocab logits at once: lower features.batch_tokens for a large vocabulary."""
+    probability mass left outside them, for soft-label training offline (loss=kl, tv, nla, expected_tau);
+    0 = none. Extraction then makes batch_tokens x vocab logits at once: lower features.batch_tokens for a large
+    vocabulary."""
 
     def __post_init__(self) -> None:
         one_of("features.storage", self.storage, {"bfloat16", "float8_e4m3fn", "float32"})

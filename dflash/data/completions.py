@@ -120,7 +120,8 @@ def merge_parts(path: Path) -> None:
 
 
 def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list[int]) -> list[dict]:
-    """Greedy completions from the in-process target; left-padded batches.
+    """Completions from the in-process target, greedy or sampled (data.completions.temperature > 0, generator
+    seeded by data.completions.seed and the batch's first prompt); left-padded batches.
 
     Each row keeps the tokens the target wrote up to where that row stopped (a stop id, a stop
     string of `data.completions.stop`, or max_new_tokens), never the padding `generate` puts
@@ -135,9 +136,15 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
         tok.padding_side = side
     strings = StopStringCriteria(tok, list(cfg.stop)) if cfg.stop else None
     extra = {"stopping_criteria": StoppingCriteriaList([strings])} if strings is not None else {}
+    if cfg.temperature > 0:  # HF applies temperature, then top-k, then top-p, as dflash.drafter.sampling does
+        # top_k always given (0 = off): left out, generate applies its default top_k of 50
+        extra.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        torch.manual_seed(cfg.seed * 1_000_003 + int(text_sha(texts[0])[:8], 16))
+    else:
+        extra["do_sample"] = False
     with torch.no_grad():
-        out = target.model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                    eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, **extra)
+        out = target.model.generate(**enc, max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids,
+                                    pad_token_id=tok.pad_token_id, **extra)
     results = []
     for ids, reason in zip(*_stop_points(out, enc["input_ids"].shape[1], stop_ids, strings)):
         text = tok.decode(ids, skip_special_tokens=True)
@@ -228,8 +235,11 @@ def server_record(choice: dict, stop: list[str], eos_id: int | None) -> dict:
 
 
 def complete_server(cfg: CompletionsConfig, model: str, text: str, pid: str, eos_id: int | None = None) -> dict:
-    """One greedy completion from the server, retried with backoff on errors and overload."""
-    payload = {"model": model, "prompt": text, "max_tokens": cfg.max_new_tokens, "temperature": 0.0}
+    """One completion from the server (greedy, or sampled at data.completions.temperature with its top-p, top-k
+    and seed), retried with backoff on errors and overload."""
+    payload = {"model": model, "prompt": text, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    if cfg.temperature > 0:
+        payload.update(top_p=cfg.top_p, seed=cfg.seed, **({"top_k": cfg.top_k} if cfg.top_k else {}))
     if cfg.stop:
         payload["stop"] = list(cfg.stop)
     if cfg.token_ids:

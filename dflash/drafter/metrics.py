@@ -59,3 +59,15 @@ def tau_histogram(taus, block_size: int) -> list[int]:
     for t in taus:
         hist[int(t) - 1] += 1
     return hist
+
+
+def ratio_se(pairs: list[tuple[float, float]]) -> float:
+    """Standard error of sum(x) / sum(y) over independent units (prompts) given as (x, y) pairs, e.g. (tokens,
+    blocks) per prompt for a pooled tau: the delta method, sqrt(sum (x_i - R y_i)^2 / (n (n - 1))) / mean(y).
+    NaN for fewer than two units."""
+    n = len(pairs)
+    if n < 2 or not sum(y for _, y in pairs):
+        return float("nan")
+    ratio = sum(x for x, _ in pairs) / sum(y for _, y in pairs)
+    spread = sum((x - ratio * y) ** 2 for x, y in pairs) / (n * (n - 1))
+    return spread ** 0.5 / (sum(y for _, y in pairs) / n)

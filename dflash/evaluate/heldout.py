@@ -1,10 +1,13 @@
-"""The held-out set: greedy target completions of eval.prompts and their features, in a cache of
-their own, made by the same extraction API as the training data.
+"""The held-out set: target completions of eval.prompts and their features, in a cache of their own, made by
+the same extraction API as the training data. Greedy completions; at eval.temperature > 0 completions sampled
+at eval's temperature / top-p / top-k (live decoding writes sampled text there too), and the target's top-k
+next-token distribution at every position (eval.topk_logits) for the expected acceptance.
 
 Its folder is keyed by a hash of everything that changes the held-out sequences: the target's
 weights, tokenizer and dtype, the prompts (their content, not only the file name), eval.max_prompts,
-eval.max_new_tokens, data.chat_template, data.enable_thinking and, when prompts are batched,
-eval.completions_batch_size (a set made one prompt at a time keeps its key). The held-out completions are never
+eval.max_new_tokens, data.chat_template, data.enable_thinking, when prompts are batched
+eval.completions_batch_size (a set made one prompt at a time keeps its key), and when sampled the sampling
+settings and eval.topk_logits (a greedy set keeps its key). The held-out completions are never
 truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
 side by side may read different layers).
 """
@@ -44,7 +47,15 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
-            **({"completions_batch_size": batch} if batch > 1 else {})}
+            **({"completions_batch_size": batch} if batch > 1 else {}), **sampling_key(job.eval)}
+
+
+def sampling_key(cfg) -> dict:
+    """What a sampled held-out set adds to its key; nothing for a greedy one."""
+    if cfg.temperature <= 0:
+        return {}
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "topk_logits": cfg.topk_logits,
+            **({"seed": cfg.seed} if cfg.seed else {})}
 
 
 def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
@@ -64,9 +75,10 @@ def is_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
 
 
 def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
-    """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), greedy
-    completions of eval.max_new_tokens (eval.completions_batch_size prompts a batch: by default one at a time,
-    no padding), untruncated, features of `layer_ids` in float32. Needs the full target."""
+    """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), completions of
+    eval.max_new_tokens (greedy, or sampled at eval.temperature > 0 with the target's top-k distributions
+    stored; eval.completions_batch_size prompts a batch: by default one at a time, no padding), untruncated,
+    features of `layer_ids` in float32. Needs the full target."""
     prompts = _prompts(job)
     key = heldout_key(job, target, prompts)
     features_dir, store = heldout_paths(job, target, layer_ids, key)
@@ -75,15 +87,18 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     log.info("extracting the held-out set %s into %s", job.eval.prompts, features_dir)
     source = "cached" if job.eval.completions_path else (
         "server" if job.data.completions.source == "server" else "hf")
+    sampled = job.eval.temperature > 0
     completions = replace(job.data.completions, source=source, path=str(store),
-                          max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size)
+                          max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size,
+                          temperature=job.eval.temperature, top_p=job.eval.top_p, top_k=job.eval.top_k,
+                          seed=job.eval.seed)
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
                                  max_length=None)
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
-                     max_length=None)
+                     max_length=None, topk_logits=job.eval.topk_logits if sampled else 0)
 
 
 def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:

@@ -118,7 +118,9 @@ def evaluate(job: JobConfig) -> dict:
     extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch.")}
     allowed = extra.setdefault("provenance_allowed", {})
     first = next(iter(drafters))
-    name = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "")
+    tag = sampling_tag(job.eval)
+    name = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "") + (
+        f"-{tag}" if tag else "")
     main_out = RunLayout(run.path if run is not None else Path(job.run.root)).eval_dir(name)
     outs = {label: main_out if label == first else main_out / "compare" / label for label in drafters}
     logged = run is not None and step is not None and training_manifest(path) is not None
@@ -135,10 +137,29 @@ def evaluate(job: JobConfig) -> dict:
     print_summary(summaries, job.eval.mode)
     if logged:
         logger = RunLogger(run, job.logger, job, job_type="eval")
-        log_eval(logger, summaries[first], step, images)
+        log_eval(logger, tagged(summaries[first], tag), step, images)
         logger.finish()
     log.info("evaluation written to %s", main_out)
     return summaries[first]["metrics"]
+
+
+def sampling_tag(cfg) -> str:
+    """'' at temperature 0; else t<T>[-p<top_p>][-k<top_k>]: the suffix of a sampled evaluation's folder
+    (eval/step-000768-t1/) and the namespace of the metrics it logs (eval/t1/tau_expected, eval/t1/live_tau), so a
+    greedy and a sampled evaluation of one checkpoint never share a curve or the run's best eval/tau."""
+    if cfg.temperature <= 0:
+        return ""
+    return f"t{cfg.temperature:g}" + (f"-p{cfg.top_p:g}" if cfg.top_p < 1 else "") + (
+        f"-k{cfg.top_k}" if cfg.top_k else "")
+
+
+def tagged(summary: dict, tag: str) -> dict:
+    """The summary as logged: its eval/* metrics under eval/<tag>/ when sampled (mode `sampled`: no best-tau
+    update, no per-position tables), else as it is."""
+    if not tag:
+        return summary
+    metrics = {k.replace("eval/", f"eval/{tag}/", 1): v for k, v in summary["metrics"].items()}
+    return {**summary, "metrics": metrics, "mode": "sampled"}
 
 
 def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed: dict) -> tuple[list[dict], dict]:
@@ -193,7 +214,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
     print_suite(results, job.eval.mode)
     if logged:
         logger = RunLogger(run, job.logger, job, job_type="eval")
-        log_suite(logger, results[first], step)
+        log_suite(logger, tagged(results[first], sampling_tag(job.eval)), step)
         logger.finish()
     log.info("evaluation written to %s", outs[first])
     return results[first]["metrics"]

@@ -9,7 +9,8 @@ missing one is an error naming the file and the dataset to fetch it from.
 
 Prompt formatting follows the paper's own evaluation code (github.com/z-lab/dflash, model/utils.py
 `load_and_process_dataset` and run_benchmark.sh as of commit 0582f12, March 2026; dflash/benchmark.py
-`DATASETS` today): greedy decoding (temperature 0), at most 2048 new tokens (run_benchmark.sh
+`DATASETS` today): greedy decoding (temperature 0; eval.temperature, top_p, top_k and verifier pass through to
+every benchmark, and the README's temperature-1 rows are in conf/references/), at most 2048 new tokens (run_benchmark.sh
 `--max-new-tokens 2048`; the paper states the same budget, z-lab/dflash issue #21), thinking off
 unless `--enable-thinking` (our data.enable_thinking, false by default), the chat template applied
 to a single user turn, and per benchmark:
@@ -248,7 +249,8 @@ REFERENCES = Path(__file__).resolve().parents[2] / "conf" / "references"
 def load_references(spec: str | None) -> list[dict]:
     """Published figures to show beside ours: eval.references, a YAML file or the name of one shipped in
     conf/references/. Each entry: name, source (paper table or model card), target, thinking, block_size,
-    temperature, and `tau` per benchmark name ({gsm8k: 6.5, ...}); settings not given are not compared."""
+    temperature (with top_p, top_k and verifier when sampled), and `tau` per benchmark name ({gsm8k: 6.5, ...});
+    settings not given are not compared."""
     if spec is None:
         return []
     path = Path(spec).expanduser()
@@ -273,8 +275,9 @@ def load_references(spec: str | None) -> list[dict]:
 
 def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]:
     """The settings where a reference was measured differently from this evaluation (target, thinking,
-    block size, temperature), each as 'what: theirs (ours ...)'; settings the reference leaves out are not
-    compared."""
+    block size, temperature, and at temperature > 0 top-p, top-k and the verifier: rejection, seeded or a
+    reference's exact_match of greedy drafts), each as 'what: theirs (ours ...)'; settings the reference leaves
+    out are not compared."""
     out = []
     target = ref.get("target")
     ours = {job.target.name.lower(), job.target.path.lower(), Path(job.target.path).name.lower()}
@@ -286,4 +289,11 @@ def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]
         out.append(f"block size {ref['block_size']} (ours {block_size})")
     if ref.get("temperature") is not None and float(ref["temperature"]) != job.eval.temperature:
         out.append(f"temperature {ref['temperature']} (ours {job.eval.temperature})")
+    if job.eval.temperature > 0 and float(ref.get("temperature") or 0) > 0:
+        if ref.get("top_p") is not None and float(ref["top_p"]) != job.eval.top_p:
+            out.append(f"top-p {ref['top_p']} (ours {job.eval.top_p})")
+        if ref.get("top_k") is not None and int(ref["top_k"]) != job.eval.top_k:
+            out.append(f"top-k {ref['top_k']} (ours {job.eval.top_k})")
+        if ref.get("verifier") is not None and ref["verifier"] != job.eval.verifier:
+            out.append(f"verifier {ref['verifier']} (ours {job.eval.verifier})")
     return out

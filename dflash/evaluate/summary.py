@@ -12,7 +12,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
     """eval/* scalars at the checkpoint's training step; per-position accuracy as a table (plots
     as a curve per run), the tau histogram and the plots as images."""
     logger.log(summary["metrics"], step)
-    if logger.wandb is None or summary.get("mode") == "live":
+    if logger.wandb is None or summary.get("mode") in ("live", "sampled"):  # sampled: eval/<tag>/*, runner.tagged
         return
     logger.summary(best_summary(logger.run, summary["metrics"]["eval/tau"], step))
     import wandb
@@ -80,25 +80,30 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     # DFlash 2 (any drafter with the selector's numbers): its unary and oracle taus and pairwise trees beside
     dflash2 = any("eval/tau_unary" in s["metrics"] or "eval/live_ddtree_pair@" in " ".join(s["metrics"])
                   for s in summaries.values())
+    # sampled (eval.temperature > 0): the expected acceptance teacher-forced, the standard errors over prompts
+    sampled = any("eval/tau_expected" in s["metrics"] for s in summaries.values())
     if mode == "live":
-        header = ["drafter", "verify", "tau", "tok/forward", "tok/verify", "cost/verify", "speedup", "tokens"]
+        header = ["drafter", "verify", "tau", "tau_se", "tok/forward", "tok/verify", "cost/verify", "speedup",
+                  "tokens"]
         verifiers = [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_") for n in budgets],
                      *[(f"ddtree_pair@{n}", f"eval/live_ddtree_pair@{n}_") for n in budgets if dflash2]]
-        rows = [[label, name, m[f"{prefix}tau"], m[f"{prefix}tokens_per_forward"], m[f"{prefix}tokens_per_verify"],
-                 m[f"{prefix}verify_cost"], m[f"{prefix}speedup"], m["eval/live_tokens"]]
+        rows = [[label, name, m[f"{prefix}tau"], m.get(f"{prefix}tau_se", "-"), m[f"{prefix}tokens_per_forward"],
+                 m[f"{prefix}tokens_per_verify"], m[f"{prefix}verify_cost"], m[f"{prefix}speedup"],
+                 m["eval/live_tokens"]]
                 for label, m in ((k, s["metrics"]) for k, s in summaries.items())
                 for name, prefix in verifiers if f"{prefix}tau" in m]
     else:
         mid = max(1, (B - 1) // 2)
         pair = [f"ddtree_pair@{n}" for n in budgets] if dflash2 else []
+        expected = ["tau_expected", "tau_expected_se", "tau_alpha_product", "alpha@1"] if sampled else []
         header = ["drafter", "tau", "tau_macro", "full", "tau_all", "acc@1", f"acc@{mid}", f"acc@{B - 1}",
                   *[f"ddtree@{n}" for n in budgets], *(["tau_unary", "tau_oracle", *pair] if dflash2 else []),
-                  "blocks"]
+                  *expected, "blocks"]
         rows = [[label, m["eval/tau"], m["eval/tau_macro"], m["eval/full"], m["eval/tau_all_anchors"],
                  m["eval/acc@1"], m.get(f"eval/acc@{mid}", 0.0), m.get(f"eval/acc@{B - 1}", 0.0),
                  *[m[f"eval/ddtree@{n}"] for n in budgets],
                  *[m.get(f"eval/{k}", "-") for k in (["tau_unary", "tau_oracle", *pair] if dflash2 else [])],
-                 m["eval/blocks"]]
+                 *[m.get(f"eval/{k}", "-") for k in expected], m["eval/blocks"]]
                 for label, m in ((k, s["metrics"]) for k, s in summaries.items())]
     print_table(rows, header, out)
     if mode != "live":
@@ -143,9 +148,12 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
         keys = ["live_tau", "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost", "live_speedup",
                 "live_prompts"]
     else:
-        header = ["benchmark", "drafter", "tau", "full", "tau_all", "acc@1", *[f"ddtree@{n}" for n in budgets],
-                  "blocks", "prompts"]
-        keys = ["tau", "full", "tau_all_anchors", "acc@1", *[f"ddtree@{n}" for n in budgets], "blocks", "prompts"]
+        sampled = any("eval/mean/tau_expected" in s["metrics"] for s in suites.values())
+        expected = ["tau_expected"] if sampled else []
+        header = ["benchmark", "drafter", "tau", *expected, "full", "tau_all", "acc@1",
+                  *[f"ddtree@{n}" for n in budgets], "blocks", "prompts"]
+        keys = ["tau", *expected, "full", "tau_all_anchors", "acc@1", *[f"ddtree@{n}" for n in budgets], "blocks",
+                "prompts"]
     blank = ["-"] * (len(keys) - 1)
     rows = []
     for bench in [*benches, "mean"]:
@@ -179,7 +187,7 @@ def log_suite(logger, suite: dict, step: int) -> None:
     eval/prompts (every prompt: benchmark, id, tau, blocks), eval/benchmarks (tau per benchmark beside the
     references'). The run's best eval/tau is left to the single-set evaluations (another set of prompts)."""
     logger.log(suite["metrics"], step)
-    if logger.wandb is None:
+    if logger.wandb is None or suite.get("mode") == "sampled":
         return
     import wandb
 

@@ -19,8 +19,10 @@ import torch
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
-
-from dflash.evaluate.walk import variant_key, verify_depth, walk, walk_variants
+from dflash.drafter.sampling import Sampling, probs, stored_acceptance, stored_probs
+from dflash.errors import CacheError
+from dflash.evaluate.walk import (expected_blocks, product_reach, variant_key, verify_depth, walk, walk_variants,
+                                  weighted_reach)
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
 
@@ -39,8 +41,20 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     walk reaches (the chain's and each DDTree budget's): by default every response position, the last
     partial blocks included, ANCHORS_PER_FORWARD a forward. On flex every forward is padded to that many
     blocks and a multiple of FLEX_LENGTH_MULTIPLE positions, so an evaluation compiles at most one graph
-    per length bucket and mask kind (as training does with train.num_anchors)."""
+    per length bucket and mask kind (as training does with train.num_anchors).
+
+    At eval.temperature > 0 every record also carries `alpha`, the acceptance probability of each slot under
+    rejection sampling, sum_x min(p(x), q(x)) of the target's transformed distribution p there (stored in the
+    held-out set) and the drafter's q (DFlash 2: the selector's over its K candidates after the gold previous
+    token), 0 past the completion; blocks are then drafted at every response position (the expected walk
+    reads them all: dflash.evaluate.walk.expected_blocks)."""
     was_training = drafter.training
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    if not sampling.greedy and not getattr(eval_set, "topk_logits", 0):
+        raise CacheError(f"eval.temperature={cfg.temperature}: the expected acceptance needs the target's next-token "
+                         f"distributions, and this held-out set stores none (it was made for greedy evaluation); "
+                         f"let evaluation make the sampled held-out set (drop eval.features_dir), or set "
+                         f"eval.temperature=0")
     drafter.eval()
     selector = drafter.candidate_selector
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
@@ -59,6 +73,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
             sampled = sampled[: cfg.max_blocks]
         label_mask = torch.ones_like(mask) if cfg.anchor_region == "all" else mask
         by_anchor: dict[int, dict] = {}
+        stored = None if sampling.greedy else eval_set.topk(i)
 
         def draft(anchors: list[int]) -> None:
             anchors = sorted(set(anchors) - set(by_anchor))
@@ -73,9 +88,11 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                 top = logp.topk(K, dim=-1)
                 # a partial block's slots past the completion hold -1: never a drafted token
                 target = blocks.labels[0, :, 1:].cpu().masked_fill(~blocks.label_mask[0, :, 1:].cpu(), -1)
-                drafted = top.indices[:, :, 0]
+                drafted, selected = top.indices[:, :, 0], None
                 if selector is not None:  # DFlash 2 drafts the selector's path; the argmax path is the unary one
-                    drafted, extra, tables = dflash2_fields(selector, hidden, logits, blocks, target)
+                    drafted, extra, tables, selected = dflash2_fields(selector, hidden, logits, blocks, target)
+                if stored is not None:
+                    alpha, reach = (t.tolist() for t in slot_alpha(logits, selected, stored, chunk, target, sampling))
                 correct, _ = block_correct(drafted.cpu(), target)
                 streak = metrics.streaks(correct).tolist()
                 draft_ids, top_ids, top_logp = drafted.tolist(), top.indices.tolist(), top.values.tolist()
@@ -86,12 +103,14 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                         "streak": int(streak[j]), "left": length - 1 - p, "room": start + cfg.max_new_tokens - 1 - p,
                         "all_anchors": False, "walk_start": p == start,
                     }
+                    if stored is not None:
+                        by_anchor[p].update(alpha=alpha[j], reach=reach[j])
                     if selector is not None:
                         by_anchor[p].update({k: v[j] for k, v in extra.items()})
                         by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
-        draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response else []))
+        draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response or stored is not None else []))
         for p in sampled.tolist():
             by_anchor[p]["all_anchors"] = True
         if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
@@ -104,22 +123,68 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     return records
 
 
-def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list]:
+def slot_alpha(logits: torch.Tensor, selected: tuple | None, stored, anchors: torch.Tensor, target: torch.Tensor,
+               sampling: Sampling, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha, reach) [n, S] of each block's drafted slots under rejection sampling, 0 past the completion
+    (target -1).
+
+    alpha_k = sum_x min(p_k(x), q_k(x)): slot k's acceptance probability after the completion's tokens.
+    reach_k = P(drafts 1..k all accepted), estimated as (prod_{j<k} min(1, q_j(x_j) / p_j(x_j))) * alpha_k
+    with x_j the completion's tokens. Live, a draft that is accepted is distributed as min(p, q) / alpha, not as
+    p; the completion's tokens are drawn from p (the held-out set is sampled at the same settings), and the
+    weights min(1, q/p) = min(p, q)/p turn their expectation into the live one: an unbiased estimate of what
+    live decoding gets. The product of the alphas (`product_reach`) treats the slots as independent, which live
+    decoding they are not. The estimate is clipped to a non-increasing sequence in [0, 1] (a walk needs
+    probabilities). A completion token outside the stored top-k gets the smallest stored probability as p.
+
+    logits [n, S, V]: the drafter's; selected: DFlash 2's (scores [n, S, K], candidates [n, S, K]), the
+    selector's scores over the unary top-K (q then lives on those K candidates), else None; stored: the prompt's
+    TopK (the target's next-token distribution per position, on the host); anchors [n] (host). `rows` anchors at
+    a time: q is [rows, S, V]."""
+    n, S, V = logits.shape
+    alphas, ratios = [], []
+    for s in range(0, n, rows):
+        part = logits[s: s + rows]
+        if selected is None:
+            q = probs(part, sampling)
+        else:
+            scores, cand = selected
+            q = torch.zeros_like(part).scatter_(-1, cand[s: s + rows], probs(scores[s: s + rows], sampling))
+        # slot k of the block at anchor a is predicted by the target at position a + k - 1
+        pos = (anchors[s: s + rows, None] + torch.arange(S)).clamp_max(stored.logprobs.shape[0] - 1)
+        ids = stored.ids[pos].to(q.device)
+        p, rest = stored_probs(stored.logprobs[pos].to(q.device), stored.rest[pos].to(q.device), sampling)
+        alphas.append(stored_acceptance(q, ids, p, rest).cpu())
+        gold = target[s: s + rows].clamp_min(0).to(q.device)
+        hit = ids == gold[..., None]
+        p_gold = torch.where(hit.any(-1), (p * hit).sum(-1), p.min(-1).values)
+        q_gold = q.gather(-1, gold[..., None])[..., 0]
+        ratios.append((q_gold / p_gold.clamp_min(1e-30)).clamp_max(1.0).cpu())
+    valid = target >= 0
+    alpha = torch.cat(alphas).masked_fill(~valid, 0.0)
+    before = torch.cat([torch.ones(n, 1), torch.cat(ratios)[:, :-1]], 1).cumprod(1)
+    reach = (before * alpha).clamp(0, 1).cummin(1).values
+    return alpha, reach
+
+
+def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list, torch.Tensor]:
     """DFlash 2's drafted tokens [n, S] (the selector's, the gold previous token as predecessor: while they match
     the gold tokens this is the selector's own walk, so their chain streak is the live walk's), per-record fields
     (`unary_tokens`: the argmax path; `oracle_tokens`: the gold token where the unary top-K holds it, else -1, the
     selector's ceiling) and per block the selector's transition tables (candidates, conditional log-probs) for
-    its pairwise DDTree. The unary top-K is taken once for all three."""
+    its pairwise DDTree, and (scores, candidates) [n, S, K]: the unary top-K's scores after the gold previous
+    token. The unary top-K is taken once for all."""
     unary, cand = selector.candidates(logits)
     prev = blocks.labels[0, :, :-1]  # slot k's predecessor is x_{p+k-1}: the anchor token at slot 1
-    choice = cand.gather(-1, selector.scores(hidden, unary, cand, prev).argmax(-1, keepdim=True))[..., 0]
+    scores = selector.scores(hidden, unary, cand, prev)
+    choice = cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
     gold = target.to(cand.device)
     held = (cand == gold[..., None]).any(-1) & (gold >= 0)
     oracle = torch.where(held, gold, torch.full_like(gold, -1))
     first, table = selector.transitions(hidden, unary, cand, blocks.labels[0, :, 0])
     first, table = torch.log_softmax(first, -1), torch.log_softmax(table, -1)
     extra = {"unary_tokens": logits.argmax(-1).tolist(), "oracle_tokens": oracle.tolist()}
-    return choice, extra, list(zip(cand.tolist(), first.tolist(), table.tolist()))
+    return choice, extra, list(zip(cand.tolist(), first.tolist(), table.tolist())), (scores, cand)
 
 
 def pair_accepted(record: dict, tables: tuple, budgets: list[int]) -> dict:
@@ -150,10 +215,19 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
     The mean over a block at every sampled anchor is reported under its own name (`tau_all_anchors`,
     `full_all_anchors`, `ddtree@N_all_anchors`), as are the slot accuracies `acc@k`: it is the estimator
     training's random anchors give. The tau histogram is the walk's.
+
+    Records with `alpha` (eval.temperature > 0) add the expected acceptance under rejection sampling:
+    `tau_expected`, the completions' tokens over the expected number of blocks of the walk
+    (dflash.evaluate.walk.expected_blocks with the unbiased reach of slot_alpha: what live tau at that
+    temperature estimates), its `_macro` and its standard error over prompts `_se`; `tau_alpha_product` the
+    same walk with reach = prod_{j<=k} alpha_j (slots as if independent); `alpha@k`,
+    `tau_expected_all_anchors` and `tau_alpha_product_all_anchors` (1 + sum_k reach_k per block) at every
+    anchor. `tau_se` is the greedy walk tau's standard error.
     """
     every = [r for r in records if r.get("all_anchors", True)]
     dflash2 = bool(records) and "unary_tokens" in records[0]
-    rows = []
+    sampled = bool(records) and "alpha" in records[0]
+    rows, walked, expected = [], [], []
     if every:
         correct, _ = block_correct(torch.tensor([r["draft_tokens"] for r in every]),
                                    torch.tensor([r["target_tokens"] for r in every]))
@@ -175,6 +249,10 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
             row["tau_oracle_all_anchors"] = oracle[n] + 1.0
             for b in budgets:
                 row[f"ddtree_pair@{b}_all_anchors"] = r["pair_accepted"][str(b)] + 1.0
+        if sampled:
+            row.update({f"alpha@{k}": a for k, a in enumerate(r["alpha"], 1)})
+            row["tau_expected_all_anchors"] = 1.0 + sum(weighted_reach(r))
+            row["tau_alpha_product_all_anchors"] = 1.0 + sum(product_reach(r))
         rows.append((r["prompt_id"], row))
     by_prompt: dict[str, dict[int, dict]] = {}
     for r in records:
@@ -184,9 +262,15 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         if start is None:  # records of an older evaluation: no walk
             continue
         for variant in walk_variants(budgets, dflash2):
-            for _, tau in walk(by_anchor, start, variant):
+            steps = walk(by_anchor, start, variant)
+            for _, tau in steps:
                 rows.append((pid, {"tau": float(tau), "full": float(tau == block_size)} if variant is None else
                              {variant_key(variant): float(tau)}))
+            if variant is None:
+                walked.append((sum(tau for _, tau in steps), len(steps)))
+        if sampled and by_anchor[start]["left"] >= 1:
+            expected.append((pid, by_anchor[start]["left"], expected_blocks(by_anchor, start),
+                             expected_blocks(by_anchor, start, product_reach)))
 
     def means(rs: list[dict]) -> dict:
         sums, counts = {}, {}
@@ -206,6 +290,14 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
     summary[f"{prefix}/blocks"] = sum("tau" in row for _, row in rows)
     summary[f"{prefix}/blocks_all_anchors"] = len(every)
     summary[f"{prefix}/prompts"] = len(table)
+    summary[f"{prefix}/tau_se"] = metrics.ratio_se(walked)
+    for name, col in (("tau_expected", 2), ("tau_alpha_product", 3)) if expected else ():
+        pairs = [(e[1], e[col]) for e in expected]
+        summary[f"{prefix}/{name}"] = sum(t for t, _ in pairs) / sum(b for _, b in pairs)
+        summary[f"{prefix}/{name}_macro"] = sum(t / b for t, b in pairs) / len(pairs)
+        summary[f"{prefix}/{name}_se"] = metrics.ratio_se(pairs)
+        for e in expected:
+            table[e[0]][name] = e[1] / e[col]
     taus = [row["tau"] for _, row in rows if "tau" in row]
     return {"metrics": summary, "tau_histogram": metrics.tau_histogram(taus, block_size),
             "per_prompt": table, "block_size": block_size, "ddtree_budgets": list(budgets)}

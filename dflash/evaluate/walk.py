@@ -85,3 +85,46 @@ def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> l
         if tau >= record["left"]:  # the completion's last token is committed
             return steps
         pos += tau
+
+
+
+def product_reach(record: dict) -> list[float]:
+    """P(the first k drafts are all accepted) as prod_{j<=k} alpha_j, k = 1..S: slots taken as independent."""
+    out, reach = [], 1.0
+    for a in record["alpha"]:
+        reach *= a
+        out.append(reach)
+    return out
+
+
+def weighted_reach(record: dict) -> list[float]:
+    """P(the first k drafts are all accepted), k = 1..S, estimated without bias from a completion sampled from
+    the target: the record's `reach` (dflash.evaluate.teacher_forced.slot_alpha)."""
+    return record["reach"]
+
+
+def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach) -> float:
+    """The expected number of blocks live decoding with rejection sampling drafts to commit the completion from
+    `start`, given each record's reach(record)[k-1] = P(its first k drafts are all accepted).
+
+    A block at anchor a with d = verify_depth drafts accepts exactly j of them with probability
+    reach_j - reach_{j+1} (reach_0 = 1; all d: reach_d) and commits min(j + 1, left) tokens; the next block is
+    at a + that. So E[a] = 1 + sum_j P_a(j) E[a + min(j + 1, left)], E = 0 once the completion is committed,
+    solved from the end back. The walk's expected tau is the completion's tokens (the start record's `left`)
+    over E[start]; with reach in {0, 1} (temperature -> 0) it is the greedy walk's.
+    """
+    end = start + by_anchor[start]["left"]  # the completion's last position: committed there, decoding stops
+    expected = {end: 0.0}
+    for a in range(end - 1, start - 1, -1):
+        if a not in by_anchor:
+            raise KeyError(f"the expected walk needs a record at every anchor; {a} has none")
+        record = by_anchor[a]
+        depth, left = verify_depth(record), record["left"]
+        r = [1.0] + reach(record)[:depth]
+        total = 1.0
+        for j in range(depth + 1):
+            n = min(j + 1, left)
+            if n < left:
+                total += (r[j] - (r[j + 1] if j < depth else 0.0)) * expected[a + n]
+        expected[a] = total
+    return expected[start]

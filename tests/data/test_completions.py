@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from dflash.config import CompletionsConfig
 from dflash.data.completions import completion_ids, obtain, read_store
@@ -295,3 +296,20 @@ def test_hf_completions_of_the_toy_target_with_a_stop_string_equal_one_prompt_at
     stopped = [r for r in out[2].values() if r["stop_reason"] == "return"]
     assert stopped and all(r["finish_reason"] == "stop" and r["completion"].endswith("return") for r in stopped)
     assert all(target.tokenizer.pad_token_id not in r["completion_ids"] for r in out[2].values())
+
+
+def test_sampled_hf_completions_are_not_cut_to_generates_default_top_k(tmp_path, tiny_targets):
+    """data.completions.temperature > 0 samples from the whole distribution: transformers' generate would
+    otherwise apply its default top_k of 50. The tiny target's distribution is nearly flat over the Qwen
+    vocabulary, so 24 sampled tokens all inside their step's top 50 would be a near-certain sign of the cut."""
+    target = tiny_targets["tiny_qwen3"]
+    cfg = CompletionsConfig(source="hf", max_new_tokens=24, batch_size=1, temperature=1.0, seed=3)
+    records = obtain(cfg, tmp_path / "c.jsonl", PROMPTS[:1], SETTINGS, Dist(), target=target)
+    ids = completion_ids(next(iter(records.values())), target.tokenizer)
+    prompt = target.tokenizer(PROMPTS[0][1], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = target.model(torch.cat([prompt, torch.tensor([ids])], 1)).logits[0, prompt.shape[1] - 1: -1]
+    ranks = (logits > logits.gather(-1, torch.tensor(ids)[:, None])).sum(-1)
+    assert len(ids) == 24 and int(ranks.max()) >= 50
+    again = obtain(cfg, tmp_path / "d.jsonl", PROMPTS[:1], SETTINGS, Dist(), target=target)
+    assert completion_ids(next(iter(again.values())), target.tokenizer) == ids  # seeded: the same draws

@@ -11,7 +11,7 @@ import torch
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.dist import Dist
 from dflash.drafter.build import build_drafter
-from dflash.errors import CheckpointError, ProvenanceError
+from dflash.errors import CacheError, CheckpointError, ProvenanceError
 from dflash.evaluate import heldout
 from dflash.evaluate.runner import evaluate
 from dflash.evaluate.teacher_forced import summarize, teacher_forced
@@ -430,3 +430,36 @@ def test_a_suite_in_live_mode_reports_tokens_per_forward_per_benchmark(trained, 
     assert len(summary["prompts"]) == 2 and all(p["blocks"] >= 1 for p in summary["prompts"])
     printed = capsys.readouterr().out
     assert "tok/forward" in printed and any(line.startswith("coding") for line in printed.splitlines())
+
+
+def test_expected_acceptance_at_temperature_zero_is_the_greedy_tau(trained):
+    """Teacher-forced at eval.temperature > 0: alpha per slot and the expected walk tau; as T -> 0 (1e-6: the
+    tiny target's sampled completions are its greedy ones, alpha is 0 or 1) it is the greedy walk's tau."""
+    tmp, _ = trained
+    cold = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.temperature=1e-6", "eval.plots=false"))
+    assert cold["eval/tau_expected"] == pytest.approx(cold["eval/tau"], abs=1e-6)
+    assert cold["eval/tau_alpha_product"] == pytest.approx(cold["eval/tau"], abs=1e-6)
+    assert cold["eval/alpha@1"] == pytest.approx(cold["eval/acc@1"], abs=1e-6)
+    warm = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.temperature=1.0", "eval.top_k=20",
+                             "eval.plots=false"))
+    assert 1.0 <= warm["eval/tau_expected"] < 8 and 0 <= warm["eval/alpha@1"] <= 1 and warm["eval/tau_expected_se"] > 0
+    # a sampled evaluation has a folder of its own and logs under eval/<tag>/: never on the greedy eval/tau curve
+    run = tmp / "runs" / "r1"
+    assert (run / "eval" / "step-000004-t1-k20" / "summary.json").exists()
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/t1-k20/tau_expected" in r for r in logged)
+    assert not any("eval/tau_expected" in r for r in logged)
+
+
+def test_a_greedy_heldout_set_is_refused_at_temperature(trained, tiny_targets):
+    tmp, _ = trained
+    job = eval_job(tmp, "eval.max_prompts=1")
+    target = tiny_targets["tiny_qwen3"]
+    heldout.prepare(job, target, [1, 3], Dist())
+    greedy = heldout.load(job, target, [1, 3])
+    drafter = build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]), target)
+    hot = replace(job.eval, temperature=0.7)
+    with pytest.raises(CacheError, match="stores none"):
+        teacher_forced(drafter, target.embed_tokens, target.lm_head, greedy, hot)
+    paths = heldout.heldout_paths(replace(job, eval=hot), target, [1, 3]), heldout.heldout_paths(job, target, [1, 3])
+    assert paths[0][0] != paths[1][0]  # a sampled held-out set is a set of its own

@@ -116,8 +116,10 @@ def test_the_suite_mean_weighs_each_benchmark_the_same():
 def test_references_load_and_mark_settings_that_differ(tmp_path):
     shipped = suites.load_references("dflash_paper")
     assert {r["name"] for r in shipped} >= {"z-lab Qwen3-8B-DFlash-b16", "z-lab Qwen3-4B-DFlash-b16"}
-    assert all(r["source"] and len(r["tau"]) == 9 and r["temperature"] == 0 for r in shipped)
+    assert all(r["source"] and len(r["tau"]) == 9 and r["temperature"] in (0, 1) for r in shipped)
     assert next(r for r in shipped if "8B" in r["name"])["tau"]["gsm8k"] == 6.55  # the README's table, as read
+    hot = next(r for r in shipped if "8B" in r["name"] and r["temperature"] == 1)
+    assert hot["tau"]["gsm8k"] == 6.04 and hot["verifier"] == "exact_match"  # its temperature-1 row
     path = tmp_path / "refs.yaml"
     path.write_text("references:\n  - {name: ref, source: model card, target: Qwen/Qwen3-8B, thinking: false, "
                     "block_size: 16, tau: {gsm8k: 6.0}}\n")
@@ -126,6 +128,9 @@ def test_references_load_and_mark_settings_that_differ(tmp_path):
     assert suites.setting_differences(ref, j, 16) == ["target Qwen/Qwen3-8B (ours " + j.target.path + ")"]
     differs = suites.setting_differences({**ref, "target": j.target.name, "thinking": True, "temperature": 1.0}, j, 8)
     assert differs == ["thinking on (ours off)", "block size 16 (ours 8)", "temperature 1.0 (ours 0.0)"]
+    sampled = compose("evaluate", ["debug=tiny", "eval.temperature=1.0", "eval.top_p=0.9"])
+    assert suites.setting_differences({**hot, "target": j.target.name}, sampled, 16) == [
+        "top-p 1.0 (ours 0.9)", "verifier exact_match (ours rejection)"]  # a sampled reference: how it sampled
     path.write_text("references:\n  - {name: ref, source: x, tau: {gsm9k: 1.0}}\n")
     with pytest.raises(DataError, match="unknown benchmark"):
         suites.load_references(str(path))
