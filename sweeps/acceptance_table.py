@@ -1,0 +1,53 @@
+"""The acceptance-loss comparison table (docs/sampling.md) from the runs of sweeps/acceptance.sh.
+
+    python sweeps/acceptance_table.py runs/acceptance [runs/dflash2=decay_ce]   # extra roots: root=arm
+
+Per arm (the run name before -s<seed>): the greedy walk tau of the final in-run evaluation (greedy held-out set)
+and the expected walk tau at temperature 1 (evaluate.py eval.temperature=1.0: eval/step-000768-t1, or an older
+sampled evaluation in eval/step-000768), mean and sample sd over seeds, and the seeds it has.
+"""
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+
+def final(run: Path) -> tuple[float | None, float | None]:
+    greedy = sampled = None
+    for d in sorted(run.glob("eval/step-000768*")):
+        m = json.loads((d / "summary.json").read_text())["metrics"]
+        if "eval/tau_expected" in m:
+            sampled = m["eval/tau_expected"]
+        elif d.name.startswith("step-000768") and "live" not in d.name and "eval/tau" in m and greedy is None:
+            greedy = m["eval/tau"]
+    return greedy, sampled
+
+
+def main(args: list[str]) -> None:
+    arms: dict[str, list[tuple[int, float | None, float | None]]] = {}
+    for spec in args:
+        root, _, rename = spec.partition("=")
+        for run in sorted(Path(root).iterdir()):
+            match = re.fullmatch(r"(.+)-s(\d+)", run.name)
+            if not match or not (run / "eval").exists():
+                continue
+            arm = rename or match.group(1)
+            if rename and match.group(1) != "dflash":
+                continue
+            arms.setdefault(arm, []).append((int(match.group(2)), *final(run)))
+    print("| arm | seeds | walk tau, greedy | sd | expected walk tau, T = 1 | sd |")
+    print("|---|---|---|---|---|---|")
+    for arm, rows in arms.items():
+        cells = []
+        for col in (1, 2):
+            vals = [r[col] for r in rows if r[col] is not None]
+            mean = f"{statistics.mean(vals):.3f}" if vals else "-"
+            sd = f"{statistics.stdev(vals):.3f}" if len(vals) > 1 else "-"
+            cells += [mean, sd]
+        print(f"| {arm} | {','.join(str(r[0]) for r in rows)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
