@@ -75,16 +75,16 @@ def main(argv: list[str]) -> dict:
         text = prompt_text(target.tokenizer, prompt, job.data.chat_template, job.data.enable_thinking)
         ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
         for seed in range(args["seeds"]):
-            mine = speculative_generate(ours, target, ids, args["max_new_tokens"], stop_token_ids=stops,
-                                        seed=seed * 100_003 + n, **knobs).acceptance_lengths
+            spec = speculative_generate(ours, target, ids, args["max_new_tokens"], stop_token_ids=stops,
+                                        seed=seed * 100_003 + n, **knobs)
+            mine = spec.acceptance_lengths
             torch.manual_seed(seed * 100_003 + n)
             with torch.no_grad():
                 out = ref.dflash_generate(theirs, target.model, ids, args["max_new_tokens"], stop_token_ids=stops,
                                           return_stats=True, **knobs)
             if args["temperature"] <= 0:
                 plain = greedy_generate(target, ids, args["max_new_tokens"], stop_token_ids=stops)
-                mine_ids = speculative_generate(ours, target, ids, args["max_new_tokens"], stop_token_ids=stops).output_ids
-                equal["ours"] += torch.equal(mine_ids, plain)
+                equal["ours"] += torch.equal(spec.output_ids, plain)
                 equal["reference"] += torch.equal(out.output_ids, plain)
             per["ours"].append((sum(mine), len(mine)))
             per["reference"].append((sum(out.acceptance_lengths), len(out.acceptance_lengths)))

@@ -5,7 +5,7 @@ The order is the one HF generate and vLLM apply: temperature, then top-k, then t
 most probable tokens whose mass reaches top_p, the token that crosses it included), renormalised.
 Temperature 0 is greedy: the distribution is one-hot at the argmax (ties: the lowest id, as argmax).
 
-Rejection sampling (dflash.evaluate.verify) is lossless for any pair of distributions p (target) and q
+Rejection sampling (dflash.evaluate.rules) is lossless for any pair of distributions p (target) and q
 (drafter) as long as the drafts are drawn from the q it is given; drafting from the same transform as the
 target makes q closest to p, so it accepts the most.
 """
@@ -56,13 +56,17 @@ def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     p = torch.softmax(logits, -1)
-    if sampling.top_p < 1:
-        sorted_p, order = p.sort(-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more probable tokens
-        drop = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, before >= sampling.top_p)
-        p = p.masked_fill(drop, 0.0)
-        p = p / p.sum(-1, keepdim=True)
-    return p
+    return _nucleus(p, sampling.top_p) if sampling.top_p < 1 else p
+
+
+def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """p [..., V] kept on its most probable tokens until their mass (out of p's total) reaches top_p, the token
+    that crosses it included, renormalised."""
+    sorted_p, order = p.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the more probable tokens
+    drop = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, before >= top_p)
+    p = p.masked_fill(drop, 0.0)
+    return p / p.sum(-1, keepdim=True)
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -82,14 +86,8 @@ def stored_probs(logprobs: torch.Tensor, rest: torch.Tensor, sampling: Sampling)
     the unstored tokens is unknown, and the distribution is renormalised over the k stored tokens."""
     none = torch.zeros_like(rest, dtype=torch.float32)
     if sampling.temperature == 1 and sampling.top_k == 0:
-        p = logprobs.float().exp()
-        if sampling.top_p >= 1:
-            return p, rest.float()
-        sorted_p, order = p.sort(-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more probable tokens, out of 1 (not of the k)
-        drop = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, before >= sampling.top_p)
-        p = p.masked_fill(drop, 0.0)
-        return p / p.sum(-1, keepdim=True), none
+        p = logprobs.float().exp()  # the true masses: the nucleus is measured out of 1, not out of the k tokens
+        return (p, rest.float()) if sampling.top_p >= 1 else (_nucleus(p, sampling.top_p), none)
     return probs(logprobs, sampling), none
 
 

@@ -25,7 +25,7 @@ from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.sampling import Sampling, probs
-from dflash.evaluate.rules import Rule, SeededMatch, make_rule, plain_sample, seeded_draw
+from dflash.evaluate.rules import Rule, make_rule, plain_sample
 from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
@@ -146,40 +146,33 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
 
 
 def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int) -> tuple[list[int], torch.Tensor | None]:
-    """The drafted chain of one block (at most `depth` tokens) and the distributions [depth, V] it was drawn from
-    (None when chosen: greedy, verifier exact_match, or the seeded scheme, whose verification ignores q).
+    """The drafted chain of one block (at most `depth` tokens) and, for a rule that reads it, the distributions
+    [depth, V] it was drawn from (else None).
 
     logits [S, V]: the drafter's slots 1..S; tables: DFlash 2's selector tables (cand, first, table) or None.
-    Greedy: the argmax per slot (DFlash 2: the selector's best walk). Sampling: each slot from the drafter's
-    distribution after the rule's transform; DFlash 2 walks its selector, drawing each slot among the K
-    candidates from the transformed scores after the previous draw, q zero off the candidates. The seeded
-    scheme draws by the generator of (seed + 1, position), so drafts are reproducible apart from the target's.
+    The rule says how drafts are made (dflash.evaluate.rules): the argmax per slot (DFlash 2: the selector's best
+    walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform; DFlash 2
+    walks its selector, drawing each slot among the K candidates from the transformed scores after the previous
+    draw, q zero off the candidates.
     """
     depth = max(0, min(depth, logits.shape[0]))
-    sampling = rule.sampling
     if depth == 0:
         return [], None
-    if sampling.greedy or getattr(rule, "greedy_drafts", False):
+    if rule.greedy_drafts:
         return (walk_path(*tables, depth=depth) if tables is not None else logits[:depth].argmax(-1).tolist()), None
-    seeded = rule.seed if isinstance(rule, SeededMatch) else None
     if tables is None:
-        q = probs(logits[:depth], sampling)
-        if seeded is not None:
-            return [seeded_draw(q[s], seeded + 1, p + 1 + s) for s in range(depth)], None
-        return torch.multinomial(q, 1, generator=rule.generator)[:, 0].tolist(), q
-    cand = tables[0]
+        q = probs(logits[:depth], rule.sampling)
+        return rule.draw_drafts(q, p + 1), (q if rule.reads_q else None)
     rows = []
 
     def draw(scores: torch.Tensor, s: int) -> int:
-        rows.append(probs(scores, sampling))
-        if seeded is not None:
-            return seeded_draw(rows[-1], seeded + 1, p + 1 + s)
-        return int(torch.multinomial(rows[-1], 1, generator=rule.generator))
+        rows.append(probs(scores, rule.sampling))
+        return rule.draw_drafts(rows[-1][None], p + 1 + s)[0]
 
     drafts = walk_path(*tables, depth=depth, draw=draw)
-    if seeded is not None:
+    if not rule.reads_q:
         return drafts, None
-    q = torch.zeros(depth, logits.shape[-1], device=logits.device).scatter_(-1, cand[:depth], torch.stack(rows))
+    q = torch.zeros(depth, logits.shape[-1], device=logits.device).scatter_(-1, tables[0][:depth], torch.stack(rows))
     return drafts, q
 
 

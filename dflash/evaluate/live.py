@@ -120,4 +120,3 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                "sampling": {**knobs, "verifier": cfg.verifier, "seed": cfg.seed},
                "compared_with_plain": compared}
     return records, summary
-

@@ -55,10 +55,21 @@ def plain_sample(logits: torch.Tensor, sampling: Sampling, seed: int, first_posi
 
 
 class Rule:
-    """A verification rule. Positions are absolute (the committed text's length at that token)."""
+    """A verification rule, and how the drafts it verifies are made. Positions are absolute (the committed
+    text's length at that token)."""
+
+    greedy_drafts = True
+    """Drafts are the drafter's argmax (DFlash 2: its best selector walk), not drawn."""
+    reads_q = False
+    """`chain` needs the distributions the drafts were drawn from."""
 
     def __init__(self, sampling: Sampling):
         self.sampling = sampling
+
+    def draw_drafts(self, q: torch.Tensor, first_position: int) -> list[int]:
+        """One draft from each row of q [n, V], row i the draft at absolute position first_position + i (rules
+        whose drafts are drawn)."""
+        raise NotImplementedError
 
     def sample(self, logits: torch.Tensor, position: int) -> int:
         """The target's token from one row of logits [V] where nothing was drafted (the prefill's token)."""
@@ -104,6 +115,8 @@ class Greedy(_Deterministic):
 
 
 class SeededMatch(_Deterministic):
+    greedy_drafts = False
+
     def __init__(self, sampling: Sampling, seed: int):
         super().__init__(sampling)
         self.seed = seed
@@ -111,16 +124,24 @@ class SeededMatch(_Deterministic):
     def tokens(self, logits, position):
         return plain_sample(logits, self.sampling, self.seed, position)
 
+    def draw_drafts(self, q, first_position):
+        # the generator of (seed + 1, position): drafts reproducible apart from the target's own draws
+        return [seeded_draw(q[i], self.seed + 1, first_position + i) for i in range(q.shape[0])]
+
 
 class Rejection(Rule):
+    reads_q = True
+
     def __init__(self, sampling: Sampling, generator: torch.Generator, greedy_drafts: bool = False):
         super().__init__(sampling)
         self.generator = generator
-        self.greedy_drafts = greedy_drafts
-        """Drafts are chosen by argmax (verifier exact_match), not drawn from q."""
+        self.greedy_drafts = greedy_drafts  # verifier exact_match: argmax drafts, verified with q = 1 at each
 
     def _draw(self, p: torch.Tensor) -> int:
         return int(torch.multinomial(p, 1, generator=self.generator))
+
+    def draw_drafts(self, q, first_position):
+        return torch.multinomial(q, 1, generator=self.generator)[:, 0].tolist()
 
     def sample(self, logits, position):
         return self._draw(probs(logits, self.sampling))

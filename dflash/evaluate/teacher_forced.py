@@ -167,7 +167,7 @@ def slot_alpha(logits: torch.Tensor, selected: tuple | None, stored, anchors: to
     return alpha, reach
 
 
-def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list, torch.Tensor]:
+def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list, tuple]:
     """DFlash 2's drafted tokens [n, S] (the selector's, the gold previous token as predecessor: while they match
     the gold tokens this is the selector's own walk, so their chain streak is the live walk's), per-record fields
     (`unary_tokens`: the argmax path; `oracle_tokens`: the gold token where the unary top-K holds it, else -1, the
