@@ -21,7 +21,7 @@ from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
 from dflash.drafter.sampling import Sampling, probs, stored_acceptance, stored_probs
 from dflash.errors import CacheError
-from dflash.evaluate.walk import (expected_blocks, product_reach, variant_key, verify_depth, walk, walk_variants,
+from dflash.evaluate.walk import (expected_blocks, product_reach, span, variant_key, verify_depth, walk, walk_variants,
                                   weighted_reach)
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
@@ -110,7 +110,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                         by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
-        draft(sampled.tolist() + (list(range(start, length - 1)) if whole_response or stored is not None else []))
+        walked = range(start, min(length - 1, start + cfg.max_new_tokens - 1))  # anchors live decoding can reach
+        draft(sampled.tolist() + (list(walked) if whole_response or stored is not None else []))
         for p in sampled.tolist():
             by_anchor[p]["all_anchors"] = True
         if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
@@ -268,8 +269,8 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
                              {variant_key(variant): float(tau)}))
             if variant is None:
                 walked.append((sum(tau for _, tau in steps), len(steps)))
-        if sampled and by_anchor[start]["left"] >= 1:
-            expected.append((pid, by_anchor[start]["left"], expected_blocks(by_anchor, start),
+        if sampled and span(by_anchor[start]) >= 1:
+            expected.append((pid, span(by_anchor[start]), expected_blocks(by_anchor, start),
                              expected_blocks(by_anchor, start, product_reach)))
 
     def means(rs: list[dict]) -> dict:

@@ -10,7 +10,9 @@ A record (dflash.evaluate.teacher_forced) carries what the walk needs besides th
 `left`, the completion tokens after the anchor, and `room`, the tokens live decoding may still
 commit there (eval.max_new_tokens minus those already generated). Live verification drafts at most
 `room - 1` tokens (the bonus fills the room) and keeps nothing past the completion's end (a stop
-token ends it), so a block's walk tau is min(accepted + 1, left), its tree built `room - 1` deep.
+token ends it), so a block's walk tau is min(accepted + 1, left), its tree built `room - 1` deep. The walk
+ends where live decoding does: at the completion's end or at the budget, whichever comes first (`span`): a
+cached completion longer than eval.max_new_tokens is walked only as far as live decoding generates.
 
 A walk follows one verifier (`variant`): None, the drafted chain (DFlash 2: the selector's path); an int N,
 the DDTree of N nodes from the per-slot marginals; and for DFlash 2 records "unary" (the argmax chain),
@@ -26,6 +28,11 @@ from dflash.drafter.ddtree import build_tree, accepted_length
 def verify_depth(record: dict) -> int:
     """Slots live decoding verifies at this anchor: the block's drafted slots, at most room - 1."""
     return max(0, min(len(record["draft_tokens"]), record["room"] - 1))
+
+
+def span(record: dict) -> int:
+    """Tokens live decoding still commits from this anchor: what is left of the completion, within the budget."""
+    return min(record["left"], record["room"])
 
 
 CHAINS = {None: "draft_tokens", "unary": "unary_tokens", "oracle": "oracle_tokens"}
@@ -62,7 +69,7 @@ def walk_tau(record: dict, budget=None) -> int:
     else:
         tree = build_tree(record["topk_ids"], record["topk_logprobs"], budget, max_depth=verify_depth(record))
         accepted = accepted_length(tree, path)
-    return min(accepted + 1, record["left"])
+    return min(accepted + 1, span(record))
 
 
 def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> list[tuple[dict, int]]:
@@ -78,11 +85,11 @@ def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> l
                 raise KeyError(f"the decoding walk reaches anchor {pos}, which has no record")
             missing(pos)
         record = by_anchor[pos]
-        if record["left"] < 1:
+        if span(record) < 1:
             return steps
         tau = walk_tau(record, budget)
         steps.append((record, tau))
-        if tau >= record["left"]:  # the completion's last token is committed
+        if tau >= span(record):  # the completion's last token, or the budget's, is committed
             return steps
         pos += tau
 
@@ -110,16 +117,16 @@ def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach
     A block at anchor a with d = verify_depth drafts accepts exactly j of them with probability
     reach_j - reach_{j+1} (reach_0 = 1; all d: reach_d) and commits min(j + 1, left) tokens; the next block is
     at a + that. So E[a] = 1 + sum_j P_a(j) E[a + min(j + 1, left)], E = 0 once the completion is committed,
-    solved from the end back. The walk's expected tau is the completion's tokens (the start record's `left`)
+    solved from the end back. The walk's expected tau is the tokens committed (the start record's `span`)
     over E[start]; with reach in {0, 1} (temperature -> 0) it is the greedy walk's.
     """
-    end = start + by_anchor[start]["left"]  # the completion's last position: committed there, decoding stops
+    end = start + span(by_anchor[start])  # the last position decoding commits (completion's end or budget)
     expected = {end: 0.0}
     for a in range(end - 1, start - 1, -1):
         if a not in by_anchor:
             raise KeyError(f"the expected walk needs a record at every anchor; {a} has none")
         record = by_anchor[a]
-        depth, left = verify_depth(record), record["left"]
+        depth, left = verify_depth(record), span(record)
         r = [1.0] + reach(record)[:depth]
         total = 1.0
         for j in range(depth + 1):

@@ -1,5 +1,7 @@
 """The decoding walk over teacher-forced records equals live decoding, block for block."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,27 +59,30 @@ class One:
         return self.set[self.i]
 
 
-def walk_equals_live(job, target, budgets, selector_scale=None):
+def walk_equals_live(job, target, budgets, selector_scale=None, max_new_tokens=None):
     """selector_scale: a DFlash 2 oracle (tests.oracle): its selector's chain and pairwise trees, and the unary
-    chain (what the DFlash 1 oracle of the same weights drafts live) walk as they decode."""
+    chain (what the DFlash 1 oracle of the same weights drafts live) walk as they decode. max_new_tokens: evaluate
+    (teacher-forced and live) at this budget, the held-out completions made at job's (longer) one."""
     heldout.prepare(job, target, [1, 3], Dist())
     eval_set = heldout.load(job, target, [1, 3])
+    cfg = job.eval if max_new_tokens is None else dataclasses.replace(job.eval, max_new_tokens=max_new_tokens)
     stops, checked, differ = target.stop_token_ids(), 0, 0
     for i in range(len(eval_set)):
         ids, mask, _ = eval_set[i]
         start = int(mask.nonzero()[0])
         wrong = lambda p, k: (p * 7 + k) % 5 == 0  # noqa: E731
         oracle = OracleDrafter(target, ids.tolist(), wrong=wrong, layer_ids=(1, 3), selector_scale=selector_scale)
-        records = teacher_forced(oracle, target.embed_tokens, target.lm_head, One(eval_set, i), job.eval)
+        records = teacher_forced(oracle, target.embed_tokens, target.lm_head, One(eval_set, i), cfg)
         by_anchor = {r["anchor"]: r for r in records}
         variants = [(b, b, "marginal", oracle) for b in [None, *budgets]]
         if selector_scale is not None:
             unary = OracleDrafter(target, ids.tolist(), wrong=wrong, layer_ids=(1, 3))
             variants += [("unary", None, "marginal", unary), *[(f"pair@{b}", b, "pairwise", oracle) for b in budgets]]
         for variant, budget, tree, drafter in variants:
-            live = speculative_generate(drafter, target, ids[None, :start], job.eval.max_new_tokens,
+            live = speculative_generate(drafter, target, ids[None, :start], cfg.max_new_tokens,
                                         tree_budget=budget, stop_token_ids=stops, tree=tree)
-            assert torch.equal(live.output_ids[0], ids)  # the held-out answer is the target's greedy one
+            # the held-out answer is the target's greedy one (up to the budget)
+            assert torch.equal(live.output_ids[0], ids[: start + cfg.max_new_tokens])
             steps = walk(by_anchor, start, variant)
             assert [tau for _, tau in steps] == live.acceptance_lengths, (i, variant)
             if budget is None and drafter.candidate_selector is None:  # accepted runs of many lengths: the walk is
@@ -99,6 +104,15 @@ def test_walk_tau_equals_live_tau_per_block_on_the_tiny_targets(name, tiny_targe
     job = compose("evaluate", ["debug=tiny", f"target={name}", "eval.max_new_tokens=40", "eval.max_prompts=2",
                                f"eval.ddtree_budgets={budgets}", f"features.dir={tmp_path}/cache"])
     assert walk_equals_live(job, target, budgets) == 2 * (1 + len(budgets))
+
+
+def test_the_walk_stops_at_the_budget_on_completions_longer_than_it(tiny_targets, tmp_path):
+    """Completions made at 40 new tokens, evaluated at 13: the walk stops where live decoding does (it used to walk
+    on to the completion's end, one token a block past the budget)."""
+    target = tiny_targets["tiny_qwen3"]
+    job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3", "eval.max_new_tokens=40", "eval.max_prompts=2",
+                               "eval.ddtree_budgets=[4]", f"features.dir={tmp_path}/cache"])
+    assert walk_equals_live(job, target, [4], max_new_tokens=13) == 2 * 2
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
@@ -125,8 +139,8 @@ def test_walk_tau_equals_live_tau_on_answers_that_end_their_turn(tmp_path):
     assert walk_equals_live(job, target, []) == 2
 
 
-def completion_records(length: int, S: int, seed: int, alpha_of):
-    """Records of one completion (anchors 0..length-2, blocks of S drafts, no budget): slot correctness drawn at
+def completion_records(length: int, S: int, seed: int, alpha_of, budget: int = 10**6):
+    """Records of one completion (anchors 0..length-2, blocks of S drafts, `budget` new tokens from anchor 0): slot correctness drawn at
     random, alpha from alpha_of(correct) and reach its running product."""
     g = torch.Generator().manual_seed(seed)
     path = torch.randint(3, 50, (length,), generator=g).tolist()
@@ -137,7 +151,7 @@ def completion_records(length: int, S: int, seed: int, alpha_of):
         draft = [t if c else 1 for t, c in zip(target, correct)]
         alpha = [alpha_of(c, g) if t >= 0 else 0.0 for c, t in zip(correct, target)]
         reach = torch.tensor(alpha).cumprod(0).tolist()
-        by_anchor[a] = record(a, target, draft, left=length - 1 - a, room=10**6, alpha=alpha, reach=reach)
+        by_anchor[a] = record(a, target, draft, left=length - 1 - a, room=budget - a, alpha=alpha, reach=reach)
     return by_anchor
 
 
@@ -147,6 +161,10 @@ def test_expected_walk_at_temperature_zero_is_the_greedy_walk():
         by_anchor = completion_records(40, 7, seed, lambda c, g: float(c))
         assert expected_blocks(by_anchor, 0) == len(walk(by_anchor, 0))
         assert expected_blocks(by_anchor, 0, product_reach) == len(walk(by_anchor, 0))
+        # a budget inside the completion: both stop there (live decoding does)
+        cut = completion_records(40, 7, seed, lambda c, g: float(c), budget=17)
+        assert sum(tau for _, tau in walk(cut, 0)) == 17
+        assert expected_blocks(cut, 0) == len(walk(cut, 0)) < len(walk(by_anchor, 0))
 
 
 def test_expected_walk_equals_simulated_rejection_sampling_walks():
