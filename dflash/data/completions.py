@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import CompletionsConfig
+from dflash.data.stops import StopStrings
 from dflash.dist import Dist
 from dflash.errors import CompletionsError
 from dflash.io import write_json, write_jsonl
@@ -126,7 +127,7 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
     Each row keeps the tokens the target wrote up to where that row stopped (a stop id, a stop
     string of `data.completions.stop`, or max_new_tokens), never the padding `generate` puts
     after a finished row, so a batch gives what each prompt gives alone."""
-    from transformers import StoppingCriteriaList, StopStringCriteria
+    from transformers import StoppingCriteriaList
 
     tok = target.tokenizer
     side, tok.padding_side = tok.padding_side, "left"
@@ -134,8 +135,8 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     finally:
         tok.padding_side = side
-    strings = StopStringCriteria(tok, list(cfg.stop)) if cfg.stop else None
-    extra = {"stopping_criteria": StoppingCriteriaList([strings])} if strings is not None else {}
+    strings = StopStrings(tok, cfg.stop) if cfg.stop else None
+    extra = {"stopping_criteria": StoppingCriteriaList([strings.criteria])} if strings is not None else {}
     if cfg.temperature > 0:  # HF applies temperature, then top-k, then top-p, as dflash.drafter.sampling does
         # top_k always given (0 = off): left out, generate applies its default top_k of 50
         extra.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
@@ -156,19 +157,16 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
 
 
 def _stop_points(out: torch.Tensor, start: int, stop_ids: list[int],
-                 strings=None) -> tuple[list[list[int]], list[int | str | None]]:
-    """Each row's generated ids up to the token where it stopped, and why: the stop id, "string" (the
-    StopStringCriteria `strings` matched there), or None (it ran to the end: max_new_tokens).
+                 strings: StopStrings | None = None) -> tuple[list[list[int]], list[int | str | None]]:
+    """Each row's generated ids up to the token where it stopped, and why: the stop id, "string" (one of the
+    stop `strings` completed there: dflash.data.stops), or None (it ran to the end: max_new_tokens).
 
     out: [batch, start + new] prompt then generated ids, as `generate` returns them. The checks generation
     made run again on each prefix, so a row's first hit is where it stopped; what follows is padding, whatever
     its id (a pad that is also a stop id must not read as a stop the target wrote)."""
     gen = out[:, start:]
     by_id = torch.isin(gen, torch.tensor(stop_ids, dtype=out.dtype, device=out.device))  # [batch, new]
-    hits = by_id.clone()
-    if strings is not None:
-        for k in range(gen.shape[1]):
-            hits[:, k] |= strings(out[:, : start + k + 1], None)
+    hits = by_id | strings.hits(out, start) if strings is not None else by_id
     rows, by_id, hits = gen.tolist(), by_id.tolist(), hits.tolist()
     ids, reasons = [], []
     for row, ids_hit, hit in zip(rows, by_id, hits):
@@ -219,7 +217,8 @@ def server_record(choice: dict, stop: list[str], eos_id: int | None) -> dict:
     not give the ids the target generated, and the record says so. `end_id` is the token that ended
     generation and belongs to the response: the end-of-turn token when the server stopped on it
     (vLLM stop_reason null, SGLang matched_stop == its id), another stop token's id, or none for a
-    user stop string (not part of the text) or a length cut."""
+    user stop string or a length cut. A user stop string that stopped it is put back at the text's end (the
+    server leaves it out), so the completion ends where generation stopped, as `generate`'s do."""
     finish = choice.get("finish_reason") or "length"
     reason = choice.get("stop_reason", choice.get("matched_stop", "unknown"))
     end_id = None
@@ -228,8 +227,12 @@ def server_record(choice: dict, stop: list[str], eos_id: int | None) -> dict:
             end_id = eos_id  # stopped on the end-of-turn token (or: no stop string could have stopped it)
         elif isinstance(reason, int) and not isinstance(reason, bool):
             end_id = reason
-    ids = choice.get("token_ids")
-    return {"completion": choice["text"], "finish_reason": finish, "stop_reason": reason, "end_id": end_id,
+    ids, text = choice.get("token_ids"), choice["text"]
+    if ids is None and finish == "stop" and isinstance(reason, str) and reason in stop:
+        # servers cut the text before the stop string; generation (and live decoding) stops at the token that
+        # completes it (dflash.data.stops), so the re-tokenized text keeps the string
+        text += reason
+    return {"completion": text, "finish_reason": finish, "stop_reason": reason, "end_id": end_id,
             "completion_ids": None if ids is None else [int(t) for t in ids], "eos_id": eos_id,
             "ids_from": "server" if ids is not None else "retokenized"}
 

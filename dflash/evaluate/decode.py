@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.data.stops import StopStrings
 from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import selector_tables, walk_path
@@ -51,19 +52,21 @@ class SpecResult:
 @torch.no_grad()
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                     seed: int = 0, stop_token_ids: list[int] | None = None, top_p: float = 1.0,
-                    top_k: int = 0) -> torch.Tensor:
+                    top_k: int = 0, stop_strings: list[str] | None = None) -> torch.Tensor:
     """Plain decoding, one token per target forward, through the same feature function: greedy, or at
-    temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.evaluate.rules)."""
+    temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.evaluate.rules). Stops
+    after max_new_tokens, a stop token, or the token that completes one of `stop_strings` (dflash.data.stops)."""
     target = as_target(target)
     sampling = Sampling(temperature, top_p, top_k)
-    stops = set(stop_token_ids or [])
+    stops, strings = set(stop_token_ids or []), stop_strings_of(target, stop_strings)
     cache = new_cache(target, recording=False)
     out = target_forward(target, input_ids, [], cache=cache, logits_to_keep=1)
     ids = input_ids[0].tolist()
     while True:
         token = plain_sample(out.logits[0, -1:], sampling, seed, len(ids))[0]
         ids.append(token)
-        if len(ids) - input_ids.shape[1] >= max_new_tokens or token in stops:
+        if len(ids) - input_ids.shape[1] >= max_new_tokens or token in stops or (
+                strings and strings.first(ids, len(ids) - 1) is not None):
             break
         out = target_forward(target, torch.tensor([[token]], device=input_ids.device), [], cache=cache,
                              logits_to_keep=1)
@@ -74,7 +77,7 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temper
 def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
                          seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
-                         verifier: str = "rejection") -> SpecResult:
+                         verifier: str = "rejection", stop_strings: list[str] | None = None) -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -88,12 +91,15 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
     to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
     sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
+    Decoding stops after max_new_tokens, a stop token of stop_token_ids, or the token that completes one of
+    stop_strings (as `generate` stops on them: dflash.data.stops; needs the target's tokenizer), nothing after it
+    kept or counted.
     """
     target = as_target(target)
     drafter.eval()
     sampling = Sampling(temperature, top_p, top_k)
     rule = make_rule(sampling, verifier, seed, input_ids.device)
-    stops = set(stop_token_ids or [])
+    stops, strings = set(stop_token_ids or []), stop_strings_of(target, stop_strings)
     layer_ids = drafter.target_layer_ids
     embed, head = target.embed_tokens, target.lm_head
     cache, dcache = new_cache(target, recording=target.is_hybrid), drafter.new_cache()
@@ -111,7 +117,8 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         raise ValueError("tree='pairwise' builds the DDTree from DFlash 2's selector; this drafter is DFlash 1")
     verify_tree = verify_tree_sequence if target.tree_verification() == "sequence" else verify_tree_paths
 
-    while len(ids) - prompt_len < max_new_tokens and ids[-1] not in stops:
+    stopped = False
+    while len(ids) - prompt_len < max_new_tokens and ids[-1] not in stops and not stopped:
         p = len(ids) - 1
         anchor_token = torch.tensor([ids[-1]], device=input_ids.device)
         hidden = draft_block(drafter, embed, pending.to(dtype), anchor_token, p, cache=dcache)
@@ -136,13 +143,29 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         result.draft_tokens.append(drafts)
         ids.extend(verdict.accepted + [verdict.bonus])
         pending = verdict.features
-        for i, t in enumerate(ids[p + 1:], start=p + 1):  # stop at the first stop token committed
-            if t in stops:
-                del ids[i + 1:]
-                break
+        # stop at the first stop token committed, or the first token that completes a stop string
+        end = next((i for i in range(p + 1, len(ids)) if ids[i] in stops), None)
+        hit = strings.first(ids[: len(ids) if end is None else end], p + 1) if strings else None
+        if hit is not None:
+            end, stopped = hit, True
+        if end is not None:
+            del ids[end + 1:]
         result.acceptance_lengths.append(len(ids) - 1 - p)  # what was kept: nothing past a stop token counts
     result.output_ids = torch.tensor([ids[: prompt_len + max_new_tokens]], device=input_ids.device)
     return result
+
+
+def stop_strings_of(target, strings) -> StopStrings | None:
+    """The stop strings' checker for the target's tokenizer (`strings` a list, or a StopStrings built once for
+    many decodings), or None without strings."""
+    if isinstance(strings, StopStrings):
+        return strings or None
+    if not strings:
+        return None
+    if target.tokenizer is None:
+        raise ValueError("stop_strings need the target's tokenizer: pass a dflash Target, or "
+                         "dflash.target.loading.as_target(model, tokenizer)")
+    return StopStrings(target.tokenizer, strings)
 
 
 def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int) -> tuple[list[int], torch.Tensor | None]:

@@ -47,7 +47,8 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
-            **({"completions_batch_size": batch} if batch > 1 else {}), **sampling_key(job.eval)}
+            **({"completions_batch_size": batch} if batch > 1 else {}),
+            **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}), **sampling_key(job.eval)}
 
 
 def sampling_key(cfg) -> dict:

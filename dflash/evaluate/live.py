@@ -21,6 +21,7 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.data.prompts import encode, load_prompts, prompt_text
+from dflash.data.stops import StopStrings
 from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
@@ -62,7 +63,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     cfg, data = job.eval, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
-    stops = target.stop_token_ids()
+    stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
     knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
@@ -78,12 +79,14 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
         t0 = time.perf_counter()
         seed = cfg.seed * 100_003 + n
-        plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops, **knobs)
+        plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
+                                stop_strings=strings, **knobs)
         plain_time += time.perf_counter() - t0
         for budget, tree in budgets:
             t0 = time.perf_counter()
             res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
-                                       stop_token_ids=stops, seed=seed, tree=tree, verifier=cfg.verifier, **knobs)
+                                       stop_token_ids=stops, stop_strings=strings, seed=seed, tree=tree,
+                                       verifier=cfg.verifier, **knobs)
             tot = totals[budget, tree]
             tot["time"] += time.perf_counter() - t0
             if compared:

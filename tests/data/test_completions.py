@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash.config import CompletionsConfig
-from dflash.data.completions import completion_ids, obtain, read_store
+from dflash.data.completions import completion_ids, obtain, read_store, server_record
 from dflash.dist import Dist
 from dflash.errors import CompletionsError
 from tests.stub_server import StubServer
@@ -177,6 +177,16 @@ def test_the_token_that_ended_generation_is_labelled_only_when_it_belongs_to_the
     text = [ord(c) for c in rec["completion"]]
     assert ids == text + ([labelled_end] if labelled_end is not None else [])
     assert rec["ids_from"] == "retokenized" and stub.payloads[0]["return_token_ids"] is True
+
+
+def test_a_stop_string_the_server_cut_off_is_put_back_where_generation_stopped():
+    """Servers leave the stop string out of the text; generate and live decoding stop at the token that completes
+    it (dflash.data.stops), so the re-tokenized completion keeps it. Ids from the server are as generated."""
+    rec = server_record({"text": "a = 1", "finish_reason": "stop", "stop_reason": "\n\n"}, ["\n\n"], 99)
+    assert rec["completion"] == "a = 1\n\n" and rec["end_id"] is None
+    assert server_record({"text": "a = 1", "finish_reason": "length"}, ["\n\n"], 99)["completion"] == "a = 1"
+    ids = server_record({"text": "a", "finish_reason": "stop", "stop_reason": "##", "token_ids": [5, 6]}, ["##"], 9)
+    assert ids["completion"] == "a" and ids["completion_ids"] == [5, 6]
 
 
 def test_token_ids_from_the_server_are_used_as_generated(tmp_path):

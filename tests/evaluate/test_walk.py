@@ -59,7 +59,7 @@ class One:
         return self.set[self.i]
 
 
-def walk_equals_live(job, target, budgets, selector_scale=None, max_new_tokens=None):
+def walk_equals_live(job, target, budgets, selector_scale=None, max_new_tokens=None, stop_strings=None):
     """selector_scale: a DFlash 2 oracle (tests.oracle): its selector's chain and pairwise trees, and the unary
     chain (what the DFlash 1 oracle of the same weights drafts live) walk as they decode. max_new_tokens: evaluate
     (teacher-forced and live) at this budget, the held-out completions made at job's (longer) one."""
@@ -80,7 +80,8 @@ def walk_equals_live(job, target, budgets, selector_scale=None, max_new_tokens=N
             variants += [("unary", None, "marginal", unary), *[(f"pair@{b}", b, "pairwise", oracle) for b in budgets]]
         for variant, budget, tree, drafter in variants:
             live = speculative_generate(drafter, target, ids[None, :start], cfg.max_new_tokens,
-                                        tree_budget=budget, stop_token_ids=stops, tree=tree)
+                                        tree_budget=budget, stop_token_ids=stops, tree=tree,
+                                        stop_strings=stop_strings)
             # the held-out answer is the target's greedy one (up to the budget)
             assert torch.equal(live.output_ids[0], ids[: start + cfg.max_new_tokens])
             steps = walk(by_anchor, start, variant)
@@ -113,6 +114,34 @@ def test_the_walk_stops_at_the_budget_on_completions_longer_than_it(tiny_targets
     job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3", "eval.max_new_tokens=40", "eval.max_prompts=2",
                                "eval.ddtree_budgets=[4]", f"features.dir={tmp_path}/cache"])
     assert walk_equals_live(job, target, [4], max_new_tokens=13) == 2 * 2
+
+
+def test_a_stop_string_over_several_tokens_stops_the_walk_and_live_decoding_at_one_token(tmp_path):
+    """data.completions.stop holds a string that two generated tokens make together (the end of one and the start
+    of the next): the held-out completion ends at the token that completes it, and live decoding stops there too,
+    so the last block agrees (live decoding used to run on past it to the budget). The toy target writes text
+    (a random one writes byte fragments)."""
+    from dflash.data.prompts import encode, load_prompts, prompt_text
+    from dflash.evaluate.decode import greedy_generate
+    from dflash.target.loading import load_target
+
+    job = compose("evaluate", ["eval.max_new_tokens=40", "eval.max_prompts=1", "eval.ddtree_budgets=[4]",
+                               f"features.dir={tmp_path}/cache"])
+    target = load_target(job.target, torch.device("cpu"))
+    tok = target.tokenizer
+    prompt = load_prompts(job.eval.prompts, limit=1)[0]
+    ids = torch.tensor([encode(tok, prompt_text(tok, prompt, job.data.chat_template, job.data.enable_thinking))])
+    plain = greedy_generate(target, ids, 40)[0, ids.shape[1]:].tolist()
+    text = [tok.decode(t) for t in plain]
+    # the last character of token k and the first of token k + 1, a string the text before token k + 1 lacks
+    k = next(k for k in range(4, 30) if all(t.isascii() and t.strip() for t in text[k: k + 2])
+             and text[k][-1] + text[k + 1][0] not in tok.decode(plain[: k + 1]))
+    stop = text[k][-1] + text[k + 1][0]
+    plain_job, job = job, dataclasses.replace(job, data=dataclasses.replace(
+        job.data, completions=dataclasses.replace(job.data.completions, stop=[stop])))
+    assert heldout.heldout_key(job, target) != heldout.heldout_key(plain_job, target)  # a set of its own
+    assert walk_equals_live(job, target, [4], stop_strings=[stop]) == 2
+    assert heldout.load(job, target, [1, 3])[0][0].shape[0] == ids.shape[1] + k + 2  # ends at token k + 1
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
