@@ -20,6 +20,7 @@ from dflash.errors import DistributedError
 log = logging.getLogger(__name__)
 
 _KEYS = "dflash"  # every key this module puts in the store starts so
+_REWARN_S = 600.0  # while the heartbeat keeps failing, a warning this often (one per failure would flood the log)
 
 
 @dataclass
@@ -37,6 +38,12 @@ class Dist:
     sys.exit) records that it ended. A waiting process stops with a DistributedError naming the processes it
     waits for when one of them ended, was not heard from for `silence_s` (killed outright: a multi-node run's
     launcher does not stop the other nodes), or has not arrived within `limit_s`.
+
+    Only the waiting processes decide that one is dead; the heartbeat never gives up on its own process. A bump
+    that fails (a store request that timed out, a connection reset) is retried sooner, backing off from beat_s/8
+    to beat_s, for as long as it takes: stopping would leave a healthy process silent, and after `silence_s`
+    its peers would stop the run. It warns once when the bumps start failing (and every 10 min while they go
+    on) and says when they get through again; `beat_failures` and `beat_streak` count the failures.
     """
 
     rank: int = 0
@@ -52,6 +59,11 @@ class Dist:
     """A process whose heartbeat has not moved for this long while others wait for it is taken for dead."""
     beat_s: float = 10.0
     """Seconds between heartbeats (the waiting processes look for ended or silent ones every 3 of them)."""
+    beat_failures: int = field(default=0, init=False)
+    """Heartbeat bumps that failed, in all."""
+    beat_streak: int = field(default=0, init=False)
+    """Heartbeat bumps that failed since the last one that got through."""
+    _warned: float = field(default=0.0, init=False, repr=False)  # when the current streak last warned
     _entered: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _beating: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -131,14 +143,38 @@ class Dist:
             self._beating.join(timeout=10)
 
     def _beat(self) -> None:
+        """The heartbeat thread: bump, wait, until `close`. Waiting on `_stop` lets `close` end it at once, even
+        in a retry's backoff. When the store has gone for good (the launch ended) it retries, quietly, until the
+        atexit `leave` stops it; it is a daemon thread, so a request caught in a dead store cannot hold up exit."""
         key = f"{_KEYS}/alive/{self.rank}"
-        while True:
-            try:
-                self.store.add(key, 1)
-            except Exception:  # the store ended with the launch
-                return
-            if self._stop.wait(self.beat_s):
-                return
+        while not self._stop.is_set():
+            self._stop.wait(self._bump(key))
+
+    def _bump(self, key: str) -> float:
+        """Bump the heartbeat counter once; the seconds to wait before the next bump."""
+        try:
+            self.store.add(key, 1)
+        except Exception as e:  # any failure of the store: the thread must outlive it (see the class docstring)
+            return self._failed(e)
+        if self.beat_streak:
+            log.info("process %d's heartbeat reached the store again after %d failures", self.rank, self.beat_streak)
+            self.beat_streak = 0
+        return self.beat_s
+
+    def _failed(self, error: Exception) -> float:
+        """Count and report a failed bump; the backoff before the retry: beat_s/8, doubling up to beat_s."""
+        self.beat_failures += 1
+        self.beat_streak += 1
+        now = time.monotonic()
+        if self.beat_streak == 1 or now - self._warned >= _REWARN_S:
+            self._warned = now
+            log.warning("process %d could not send its heartbeat to the store (%r; %d failures in a row, %d in "
+                        "all); retrying. Its peers take it for killed after %.0f min without one. At the end of a "
+                        "launch this is expected: the store ends with it", self.rank, error, self.beat_streak,
+                        self.beat_failures, self.silence_s / 60)
+        else:
+            log.debug("process %d: heartbeat failed again (%r, %d in a row)", self.rank, error, self.beat_streak)
+        return self.beat_s / 8 * 2 ** min(self.beat_streak - 1, 3)  # capped exponent: no float overflow
 
 
 _current: Dist | None = None

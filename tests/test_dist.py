@@ -1,6 +1,7 @@
 """dflash.dist: long waits through the c10d store (processes stood in for by threads sharing one store), and
 two gloo processes in which a plain barrier times out where `wait_long` does not."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from tests.conftest import REPO
 FAST = {"beat_s": 0.05, "silence_s": 30.0, "limit_s": 30.0}
 
 
-def together(world: int, body, **timing) -> list:
-    """body(dist) on `world` threads, one Dist each on one shared store; what each returned or raised."""
-    store, out = HashStore(), [None] * world
+def together(world: int, body, store=None, **timing) -> list:
+    """body(dist) on `world` threads, one Dist each on one shared store (a fresh HashStore unless given); what
+    each returned or raised."""
+    store, out = store or HashStore(), [None] * world
 
     def run(rank):
         dist = Dist(rank, world, store=store, **{**FAST, **timing})
@@ -106,6 +108,94 @@ def test_an_alive_process_that_never_arrives_is_named_at_the_limit():
     out = together(2, body, limit_s=0.5)
     assert isinstance(out[0], DistributedError)
     assert "for processes [1] for 0.0 h; they are alive but never arrived" in str(out[0])
+
+
+class FlakyBeat:
+    """A store on which process `rank`'s heartbeat bumps fail `failures` times (None: always), as a TCPStore
+    request that timed out does; every other request goes through."""
+
+    def __init__(self, rank: int, failures: int | None):
+        self.store, self.key, self.left = HashStore(), f"dflash/alive/{rank}", failures
+
+    def add(self, key: str, n: int) -> int:
+        if key == self.key and n != 0 and self.left != 0:  # a bump; reading the counter (n=0) still works
+            self.left = None if self.left is None else self.left - 1
+            raise RuntimeError("Socket Timeout")
+        return self.store.add(key, n)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def poll(condition, timeout: float = 3.0) -> bool:
+    """Whether `condition()` came true within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def heartbeat_records(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "dflash.dist" and r.levelno == level]
+
+
+def test_a_heartbeat_that_fails_for_a_while_recovers_and_the_run_goes_on(caplog):
+    """Process 1's first 5 heartbeats fail (a store hiccup), then the store answers again. Process 1 keeps
+    beating, so process 0, waiting for it for 4x silence_s, goes on when it arrives instead of taking it for
+    killed. (Before, the heartbeat thread ended at the first failure and the run stopped.)"""
+    caplog.set_level(logging.INFO, logger="dflash.dist")
+    store, silence = FlakyBeat(rank=1, failures=5), 0.25
+
+    def body(dist):
+        if dist.rank == 1:
+            time.sleep(4 * silence)  # busy elsewhere for longer than silence_s: only its heartbeat speaks for it
+        dist.wait_long("eval")
+        return dist
+
+    zero, one = together(2, body, store=store, silence_s=silence)
+    assert isinstance(zero, Dist), zero  # not a DistributedError: process 0 went on
+    assert (one.beat_failures, one.beat_streak) == (5, 0)
+    beat = store.add("dflash/alive/1", 0)
+    assert beat > 5, beat  # it beat on after the failures, through the wait
+    warned = heartbeat_records(caplog, logging.WARNING)
+    assert len(warned) == 1 and "process 1 could not send its heartbeat" in warned[0], warned
+    assert any("process 1's heartbeat reached the store again after 5 failures" in m
+               for m in heartbeat_records(caplog, logging.INFO)), caplog.text
+
+
+def test_a_heartbeat_that_never_recovers_keeps_trying_and_the_peers_name_it(caplog):
+    """Process 1's heartbeats always fail: its heartbeat thread keeps trying (it does not decide it is dead,
+    and warns once, not per failure), and process 0 stops after silence_s naming it."""
+    store, gave_up = FlakyBeat(rank=1, failures=None), threading.Event()
+
+    def body(dist):
+        if dist.rank == 0:
+            try:
+                dist.wait_long("eval")
+            finally:
+                gave_up.set()
+        assert poll(gave_up.is_set), "process 0 never gave up waiting"
+        failures = dist.beat_failures
+        assert poll(lambda: dist.beat_failures > failures), "the heartbeat stopped retrying"
+        return dist._beating.is_alive(), dist.beat_failures
+
+    zero, (alive, failures) = together(2, body, store=store, silence_s=0.25)
+    assert isinstance(zero, DistributedError) and "for processes [1], but [1] have not been heard" in str(zero)
+    assert alive and failures > 3
+    warned = heartbeat_records(caplog, logging.WARNING)
+    assert len(warned) == 1 and "process 1 could not send its heartbeat" in warned[0], warned
+
+
+def test_close_stops_a_heartbeat_waiting_to_retry():
+    """With beat_s=20 the first retry is 2.5 s after the failure; close() must not wait for it."""
+    dist = Dist(0, 2, store=FlakyBeat(rank=0, failures=None), **{**FAST, "beat_s": 20.0})
+    assert poll(lambda: dist.beat_failures == 1)
+    t0 = time.monotonic()
+    dist.close()
+    assert time.monotonic() - t0 < 1.0 and not dist._beating.is_alive()
+    assert dist.beat_failures == 1  # it was still waiting to retry
 
 
 def test_collective_timeout_is_validated_and_reaches_the_accelerator():
