@@ -15,6 +15,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y dflash 2>/dev/null; rm -rf dflash.egg-info  # our name before 0.2.0
 	$(PY) -m pip install -q --no-compile $(TORCH)
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@

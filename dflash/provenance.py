@@ -43,7 +43,7 @@ def check_allowed(allow_mismatch: list[str]) -> None:
 
 def library_versions() -> dict:
     out = {}
-    for dist in ("dflash", "torch", "transformers", "flash-linear-attention", "causal-conv1d"):
+    for dist in ("dflash-train", "torch", "transformers", "flash-linear-attention", "causal-conv1d"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
