@@ -83,14 +83,20 @@ class DataConfig:
     """Longest prompt+response in tokens; longer sequences are truncated (responses) or skipped (prompts)."""
     chat_template: bool = True
     """Wrap prompts with the tokenizer's chat template."""
-    enable_thinking: bool = False
-    """Passed to the chat template (Qwen3 thinking mode)."""
+    enable_thinking: bool | None = False
+    """Passed to the chat template (Qwen3 thinking mode); null = not passed (the template's own default)."""
+    regenerate: str = "all_turns"
+    """Which assistant turns of a multi-turn conversation the target regenerates: all_turns (each in turn, after
+    the target's own earlier answers; each answer a training sequence of its own: the conversation so far as the
+    chat template renders it, loss on that answer), last_turn (the last only, after the conversation's own
+    earlier turns) or first_turn (the conversation cut at its first user turn). One-turn prompts: all the same."""
     eval_prompts: str = "builtin:eval_coding"
     """The held-out prompts that go with this data (eval.prompts defaults to them); never among data.prompts."""
     completions: CompletionsConfig = field(default_factory=CompletionsConfig)
 
     def __post_init__(self) -> None:
         one_of("data.format", self.format, {"auto", "jsonl", "parquet", "hf"})
+        one_of("data.regenerate", self.regenerate, {"all_turns", "last_turn", "first_turn"})
         positive("data.limit", self.limit)
         positive("data.offset", self.offset, allow_zero=True)
         if self.max_length < 4:

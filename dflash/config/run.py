@@ -175,6 +175,19 @@ class EvalConfig:
     """Folder holding the suite's benchmark files (<name>.jsonl, <name>.parquet or a datasets folder <name>/)."""
     references: str | None = None
     """Published figures shown beside a suite's rows: a YAML file, or a name in conf/references/ (dflash_paper)."""
+    protocol: str = "zlab"
+    """How a suite's benchmarks are sampled, prompted and averaged, so that our number is computed as the reference
+    figures were (dflash.evaluate.suites.PROTOCOLS): zlab (z-lab dflash 0.1.0 benchmark.py: prompts taken after
+    random.Random(42).shuffle, the chat template's thinking default unless eval.thinking, both MT-Bench turns, the
+    mean over requests of each request's tau), zlab_bb48ef9 (the benchmark.py of the README tables in
+    conf/references/dflash_paper.yaml: thinking off, both turns, mean over requests) or first_turn (the first
+    records, data.enable_thinking, first user turns only, the pooled walk tau)."""
+    thinking: bool | None = None
+    """A suite's thinking switch under protocol zlab (the reference benchmark's --reasoning on/off): null leaves
+    the chat template's default (on for Qwen3 and Qwen3.5/3.6)."""
+    turns: str = "all"
+    """Which user turns of a multi-turn held-out prompt are evaluated: all (each its own request, the earlier
+    assistant turns the target's own answers, teacher-forced and live alike) or first. A suite's protocol sets it."""
     plots: bool = True
     """Write PNG plots next to summary.json."""
     dtype: str = "auto"
@@ -198,6 +211,8 @@ class EvalConfig:
         positive("eval.every", self.every, allow_zero=True)
         positive("eval.temperature", self.temperature, allow_zero=True)
         one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
+        one_of("eval.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
+        one_of("eval.turns", self.turns, {"all", "first"})
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"eval.top_p={self.top_p} must be in (0, 1] (1 = off)")
         positive("eval.top_k", self.top_k, allow_zero=True)
