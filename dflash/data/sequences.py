@@ -12,7 +12,7 @@ import torch
 
 from dflash.config import CompletionsConfig
 from dflash.data.completions import completion_ids, end_of_turn_id, obtain, text_sha
-from dflash.data.prompts import Prompt, encode, prompt_text, prompts_hash
+from dflash.data.prompts import Prompt, encode, prompt_text, prompts_hash, turn_id, turn_messages
 from dflash.dist import Dist
 from dflash.errors import DataError
 from dflash.provenance import generation_settings
@@ -51,40 +51,59 @@ class Prepared:
 
 
 def prepare_sequences(prompts: list[Prompt], source: str, target, completions: CompletionsConfig, store: Path,
-                      dist: Dist, *, chat_template: bool, enable_thinking: bool,
-                      max_length: int | None) -> Prepared:
+                      dist: Dist, *, chat_template: bool, enable_thinking: bool | None,
+                      max_length: int | None, regenerate: str = "all_turns") -> Prepared:
     """Prompts -> chat text -> target completions -> token sequences with a response loss mask.
 
     `source` names the prompt set (for messages and the manifest); completions are read from or
     generated into the JSONL store `store` as `completions` says. Prompts that leave no room for a
     response within `max_length` (None: no limit, nothing truncated) are skipped and counted, as
     are prompts without a completion (source=cached).
+
+    A conversation with later user turns (Prompt.conversation) gives, by `regenerate` (data.regenerate):
+    all_turns, a sequence per user turn, generated turn by turn: the messages up to that turn with every earlier
+    assistant turn the target's own answer (its completion's text, as a server gets it back in the next
+    request), rendered by the chat template as serving renders them, then the target's answer, loss on that
+    answer (ids <id>, <id>:turn2, ...: dflash.data.prompts.turn_id); last_turn, one sequence, the answer to the
+    last user turn after the conversation's own earlier turns; first_turn, the first user turn alone.
     """
-    texts = [prompt_text(target.tokenizer, p, chat_template, enable_thinking) for p in prompts]
-    ids = [encode(target.tokenizer, t) for t in texts]
-    fits = [i for i in range(len(prompts)) if max_length is None or len(ids[i]) + 2 <= max_length]
-    skipped = {"prompt_too_long": len(prompts) - len(fits), "no_completion": 0, "completion_too_short": 0}
-    if skipped["prompt_too_long"]:
-        log.warning("skipping %d of %d prompts longer than data.max_length=%d tokens",
-                    skipped["prompt_too_long"], len(prompts), max_length)
+    tok = target.tokenizer
+    multi = any(p.user_turns > 1 for p in prompts)
     # a cached file is read as it is; the settings guard only stores that hf/server extend (and
     # fingerprinting a 250k-token tokenizer such as Qwen3.5's takes seconds)
     settings = ({} if completions.source == "cached"
                 else generation_settings(target, completions, chat_template, enable_thinking))
-    eos_id = end_of_turn_id(target.tokenizer) if target.tokenizer else None
-    records = obtain(completions, store, [(prompts[i].id, texts[i]) for i in fits], settings, dist,
-                     target=target, model=completions.model or str(target.path), eos_id=eos_id)
-    sequences = []
-    for i in fits:
-        rec = records.get(prompts[i].id)
-        if rec is None or rec.get("prompt_sha") not in (None, text_sha(texts[i])):
-            skipped["no_completion"] += 1
-            continue
-        seq = build_sequence(prompts[i].id, ids[i], completion_ids(rec, target.tokenizer, eos_id), max_length)
-        if seq is None:
-            skipped["completion_too_short"] += 1
-            continue
-        sequences.append(seq)
+    eos_id = end_of_turn_id(tok) if tok else None
+    skipped = {"prompt_too_long": 0, "no_completion": 0, "completion_too_short": 0}
+    answers: dict[str, list[str]] = {p.id: [] for p in prompts}  # the target's answers so far (all_turns)
+    sequences, retokenized = [], 0
+    for turn, todo in _rounds(prompts, regenerate):
+        # all_turns: a turn needs the target's answers to every earlier one (one missing: the rest is skipped)
+        todo = [p for p in todo if regenerate != "all_turns" or len(answers[p.id]) == turn]
+        items = []
+        for p in todo:
+            messages = turn_messages(p, turn, answers[p.id] if regenerate == "all_turns" else None)
+            text = prompt_text(tok, messages, chat_template, enable_thinking)
+            items.append((p, turn_id(p.id, turn), text, encode(tok, text)))
+        fits = [it for it in items if max_length is None or len(it[3]) + 2 <= max_length]
+        skipped["prompt_too_long"] += len(items) - len(fits)
+        records = obtain(completions, store, [(iid, text) for _, iid, text, _ in fits], settings, dist,
+                         target=target, model=completions.model or str(target.path), eos_id=eos_id)
+        for p, iid, text, ids in fits:
+            rec = records.get(iid)
+            if rec is None or rec.get("prompt_sha") not in (None, text_sha(text)):
+                skipped["no_completion"] += 1
+                continue
+            answers[p.id].append(rec.get("completion", ""))
+            retokenized += rec.get("completion_ids") is None
+            seq = build_sequence(iid, ids, completion_ids(rec, tok, eos_id), max_length)
+            if seq is None:
+                skipped["completion_too_short"] += 1
+                continue
+            sequences.append(seq)
+    if skipped["prompt_too_long"]:
+        log.warning("skipped %d prompts longer than data.max_length=%d tokens", skipped["prompt_too_long"],
+                    max_length)
     if skipped["no_completion"]:
         log.warning("%d prompts have no completion in %s and are skipped", skipped["no_completion"], store)
     if not sequences:
@@ -92,13 +111,24 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                         f"data.max_length and the completions in {store}")
     comp_hash = hashlib.sha256(
         "".join(f"{s.id}:{s.input_ids.tolist()}" for s in sequences).encode()).hexdigest()[:16]
-    retokenized = sum(1 for i in fits if prompts[i].id in records
-                      and records[prompts[i].id].get("completion_ids") is None)
     if retokenized:
         log.warning("%d completions came as text only and were re-tokenized (the ids may differ from what the target "
                     "generated); recorded in the manifest as completions_retokenized", retokenized)
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
             "skipped": skipped, "completions_retokenized": retokenized, "chat_template": chat_template,
-            "enable_thinking": enable_thinking}
+            "enable_thinking": enable_thinking, **({"regenerate": regenerate} if multi else {})}
     return Prepared(sequences, info)
+
+
+def _rounds(prompts: list[Prompt], regenerate: str) -> list[tuple[int, list[Prompt]]]:
+    """(user turn, the prompts answered at it) in the order they are generated: all_turns turn by turn (each needs
+    the answers before it), last_turn each conversation's last user turn, first_turn the first."""
+    if regenerate == "first_turn":
+        return [(0, prompts)]
+    if regenerate == "last_turn":
+        by_turn: dict[int, list[Prompt]] = {}
+        for p in prompts:
+            by_turn.setdefault(p.user_turns - 1, []).append(p)
+        return sorted(by_turn.items())
+    return [(t, [p for p in prompts if p.user_turns > t]) for t in range(max(p.user_turns for p in prompts))]

@@ -7,8 +7,10 @@ Its folder is keyed by a hash of everything that changes the held-out sequences:
 weights, tokenizer and dtype, the prompts (their content, not only the file name), eval.max_prompts,
 eval.max_new_tokens, data.chat_template, data.enable_thinking, when prompts are batched
 eval.completions_batch_size (a set made one prompt at a time keeps its key), and when sampled the sampling
-settings and eval.topk_logits (a greedy set keeps its key). The held-out completions are never
-truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
+settings and eval.topk_logits (a greedy set keeps its key), data.completions.stop when set, and for prompts
+with several user turns eval.turns. Every user turn of a conversation is an item of its own (ids <id>,
+<id>:turn2, ...), after the target's own answers to the earlier ones (dflash.data.sequences, all_turns), unless
+eval.turns=first. The held-out completions are never truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
 side by side may read different layers).
 """
 
@@ -48,7 +50,9 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
             **({"completions_batch_size": batch} if batch > 1 else {}),
-            **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}), **sampling_key(job.eval)}
+            **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}),
+            # conversations: which turns are items (one-turn sets keep their keys)
+            **({"turns": job.eval.turns} if any(p.user_turns > 1 for p in prompts) else {}), **sampling_key(job.eval)}
 
 
 def sampling_key(cfg) -> dict:
@@ -95,7 +99,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
                           seed=job.eval.seed)
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
-                                 max_length=None)
+                                 max_length=None, regenerate="all_turns" if job.eval.turns == "all" else "first_turn")
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,

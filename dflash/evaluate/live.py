@@ -4,6 +4,11 @@ token for token; sampling verified by rejection sampling writes other text than 
 seed, so it is not compared token by token: its losslessness is a property of the output distribution,
 shown statistically by tests/evaluate/test_lossless_sampling.py.
 
+A conversation (a prompt with later user turns, e.g. MT-Bench's two) is decoded turn by turn, each turn a request
+of its own (id <id>:turn2, ...), its earlier answers what the drafted chain decoded before, as the reference
+benchmark does; at temperature 0 they are the target's greedy answers, so each turn's prompt is its held-out
+item's. eval.turns=first decodes the first turn only. `tau_macro` is the mean over requests of each one's tau.
+
 Cost model, per verification (one target forward each, hybrid targets included: no replay):
 `tokens_per_forward` = generated tokens / target forwards (the prompt's included; plain decoding is 1.0),
 `tokens_per_verify` = generated tokens / verifications (tau, plus the prefill's token spread over the
@@ -20,7 +25,7 @@ import time
 import torch
 
 from dflash.config import JobConfig
-from dflash.data.prompts import encode, load_prompts, prompt_text
+from dflash.data.prompts import encode, load_prompts, prompt_text, turn_id, turn_messages
 from dflash.data.stops import StopStrings
 from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
@@ -73,37 +78,46 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
-    progress = Progress(len(prompts), "live eval", "prompts")
+    turns = [p.user_turns if cfg.turns == "all" else 1 for p in prompts]
+    progress = Progress(sum(turns), "live eval", "requests")
     for n, prompt in enumerate(prompts):
-        text = prompt_text(target.tokenizer, prompt, data.chat_template, data.enable_thinking)
-        ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
-        t0 = time.perf_counter()
-        seed = cfg.seed * 100_003 + n
-        plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
-                                stop_strings=strings, **knobs)
-        plain_time += time.perf_counter() - t0
-        for budget, tree in budgets:
+        answers = []  # the conversation's earlier answers: what the drafted chain decoded (the reference's way)
+        for turn in range(turns[n]):
+            rid = turn_id(prompt.id, turn)
+            text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), data.chat_template,
+                               data.enable_thinking)
+            ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
             t0 = time.perf_counter()
-            res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
-                                       stop_token_ids=stops, stop_strings=strings, seed=seed, tree=tree,
-                                       verifier=cfg.verifier, **knobs)
-            tot = totals[budget, tree]
-            tot["time"] += time.perf_counter() - t0
-            if compared:
-                ties += not check_lossless(target, prompt.id, plain[0].tolist(), res.output_ids[0].tolist(),
-                                           ids.shape[1], tie)
-            tot["tokens"] += res.output_ids.shape[1] - ids.shape[1]
-            tot["forwards"] += res.target_forwards
-            tot["verifies"] += len(res.acceptance_lengths)
-            tot["verify_tokens"] += res.verify_tokens
-            tot["taus"] += res.acceptance_lengths
-            tot["per_prompt"].append((sum(res.acceptance_lengths), len(res.acceptance_lengths)))
-            for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
-                records.append({"prompt_id": prompt.id, "tree_budget": budget, "tree": tree, "step": step,
-                                "tau": tau, "draft_tokens": drafts})
-        progress.update()
+            seed = cfg.seed * 100_003 + n + 1_000_003 * turn
+            plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
+                                    stop_strings=strings, **knobs)
+            plain_time += time.perf_counter() - t0
+            for budget, tree in budgets:
+                t0 = time.perf_counter()
+                res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
+                                           stop_token_ids=stops, stop_strings=strings, seed=seed, tree=tree,
+                                           verifier=cfg.verifier, **knobs)
+                tot = totals[budget, tree]
+                tot["time"] += time.perf_counter() - t0
+                if compared:
+                    ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
+                                               ids.shape[1], tie)
+                if budget is None and tree == "marginal":
+                    answers.append(target.tokenizer.decode(res.output_ids[0, ids.shape[1]:].tolist(),
+                                                           skip_special_tokens=True))
+                tot["tokens"] += res.output_ids.shape[1] - ids.shape[1]
+                tot["forwards"] += res.target_forwards
+                tot["verifies"] += len(res.acceptance_lengths)
+                tot["verify_tokens"] += res.verify_tokens
+                tot["taus"] += res.acceptance_lengths
+                tot["per_prompt"].append((sum(res.acceptance_lengths), len(res.acceptance_lengths)))
+                for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
+                    records.append({"prompt_id": rid, "tree_budget": budget, "tree": tree, "step": step,
+                                    "tau": tau, "draft_tokens": drafts})
+            progress.update()
     progress.close()
-    metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts), "eval/live_ties": ties,
+    metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts), "eval/live_requests": sum(turns),
+               "eval/live_ties": ties,
                "eval/live_tokens": totals[None, "marginal"]["tokens"]}
     for (budget, tree), tot in totals.items():
         prefix = ("eval/live_" if budget is None else f"eval/live_ddtree@{budget}_" if tree == "marginal" else
@@ -111,6 +125,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         metrics.update({
             f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
             f"{prefix}tau_se": ratio_se(tot["per_prompt"]),
+            # the mean over requests of each one's tau (each turn of a conversation is a request): the reference
+            # benchmark's average (dflash.evaluate.suites)
+            f"{prefix}tau_macro": sum(t / c for t, c in tot["per_prompt"] if c) / max(1, len(tot["per_prompt"])),
             f"{prefix}tokens_per_forward": tot["tokens"] / max(1, tot["forwards"]),
             f"{prefix}tokens_per_verify": tot["tokens"] / max(1, tot["verifies"]),
             f"{prefix}verify_cost": tot["verify_tokens"] / max(1, tot["verifies"]),

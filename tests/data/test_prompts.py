@@ -3,6 +3,7 @@ import json
 import pytest
 
 from dflash.data.prompts import load_prompts, prompts_hash
+from dflash.errors import DataError
 from dflash.data.sequences import build_sequence
 
 
@@ -63,3 +64,26 @@ def test_sequence_masks_the_response_and_truncates():
     assert seq.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
     assert seq.loss_mask.tolist() == [False, False, False, True, True, True]
     assert build_sequence("x", [1] * 5, [4, 5], max_length=6) is None  # no room for two response tokens
+
+
+def test_conversations_keep_their_later_turns_and_each_turn_has_its_messages():
+    from dflash.data.prompts import normalize, turn_id, turn_messages
+
+    chat = {"id": "c", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
+                                    {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+                                    {"role": "assistant", "content": "a2"}]}
+    mt = {"id": "m", "turns": ["first question", "follow-up"]}  # MT-Bench: user turns, no answers
+    one = {"id": "o", "prompt": "alone"}
+    c, m, o = normalize([chat, mt, one])
+    assert c.messages == chat["messages"][:2] and c.user_turns == 2 and m.user_turns == 2 and o.user_turns == 1
+    assert o.conversation == [] and m.messages == [{"role": "user", "content": "first question"}]
+    # all_turns: the earlier assistant turn is the target's own answer
+    assert turn_messages(c, 1, ["mine"]) == [chat["messages"][0], chat["messages"][1],
+                                            {"role": "assistant", "content": "mine"}, chat["messages"][3]]
+    # last_turn: the conversation's own earlier turns
+    assert turn_messages(c, 1) == chat["messages"][:4]
+    assert turn_messages(m, 1, ["A"]) == [{"role": "user", "content": "first question"},
+                                         {"role": "assistant", "content": "A"}, {"role": "user", "content": "follow-up"}]
+    with pytest.raises(DataError, match="no assistant turn after it"):
+        turn_messages(m, 1)  # nothing to keep: only the target can answer turn one
+    assert [turn_id("c", t) for t in range(3)] == ["c", "c:turn2", "c:turn3"]

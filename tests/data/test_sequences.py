@@ -43,3 +43,57 @@ def test_a_server_stop_on_end_of_sequence_labels_the_targets_own_eos_not_a_fixed
         stub.stop()
     (seq,) = prepared.sequences
     assert seq.input_ids[seq.loss_mask].tolist()[-1] == eos
+
+
+def two_turn_prompts():
+    from dflash.data.prompts import normalize
+
+    return normalize([
+        {"id": "c", "messages": [{"role": "user", "content": "write a loop"}, {"role": "assistant", "content": "ok"},
+                                 {"role": "user", "content": "now in reverse"},
+                                 {"role": "assistant", "content": "done"}]},
+        {"id": "m", "turns": ["name a color", "and another"]},
+        {"id": "o", "prompt": "one turn only"}])
+
+
+def test_every_assistant_turn_is_regenerated_after_the_targets_own_earlier_answers(tmp_path, tiny_targets):
+    """data.regenerate=all_turns: a sequence per user turn, turn two's prompt holding the target's answer to turn
+    one (its completion's text), the loss on that turn's answer only."""
+    from dflash.data.prompts import encode, prompt_text, turn_messages
+
+    target = tiny_targets["tiny_qwen3"]
+    prompts = two_turn_prompts()
+    cfg = CompletionsConfig(source="hf", max_new_tokens=6)
+    store = tmp_path / "c.jsonl"
+    prepared = prepare_sequences(prompts, "test", target, cfg, store, Dist(), chat_template=True,
+                                 enable_thinking=False, max_length=None, regenerate="all_turns")
+    by_id = {s.id: s for s in prepared.sequences}
+    assert sorted(by_id) == ["c", "c:turn2", "m", "m:turn2", "o"] and prepared.info["regenerate"] == "all_turns"
+    stored = {json.loads(line)["id"]: json.loads(line) for line in store.read_text().splitlines()}
+    for pid in ("c", "m"):
+        first, second = by_id[pid], by_id[f"{pid}:turn2"]
+        answer = stored[pid]["completion"]
+        messages = turn_messages(next(p for p in prompts if p.id == pid), 1, [answer])
+        assert messages[-2] == {"role": "assistant", "content": answer}
+        prompt_ids = encode(target.tokenizer, prompt_text(target.tokenizer, messages, True, False))
+        assert second.input_ids[: len(prompt_ids)].tolist() == prompt_ids
+        assert not second.loss_mask[: len(prompt_ids)].any() and second.loss_mask[len(prompt_ids):].all()
+        assert first.input_ids[first.loss_mask].tolist() == stored[pid]["completion_ids"]
+
+
+def test_last_turn_keeps_the_conversations_own_earlier_turns(tmp_path, tiny_targets):
+    from dflash.data.prompts import encode, prompt_text
+
+    target = tiny_targets["tiny_qwen3"]
+    c, _, o = two_turn_prompts()
+    prepared = prepare_sequences([c, o], "test", target, CompletionsConfig(source="hf", max_new_tokens=6),
+                                 tmp_path / "c.jsonl", Dist(), chat_template=True, enable_thinking=False,
+                                 max_length=None, regenerate="last_turn")
+    by_id = {s.id: s for s in prepared.sequences}
+    assert sorted(by_id) == ["c:turn2", "o"]
+    prompt_ids = encode(target.tokenizer, prompt_text(target.tokenizer, c.conversation[:3], True, False))
+    assert by_id["c:turn2"].input_ids[: len(prompt_ids)].tolist() == prompt_ids  # "ok", the record's answer
+    first = prepare_sequences([c, o], "test", target, CompletionsConfig(source="hf", max_new_tokens=6),
+                              tmp_path / "c.jsonl", Dist(), chat_template=True, enable_thinking=False,
+                              max_length=None, regenerate="first_turn")
+    assert sorted(s.id for s in first.sequences) == ["c", "o"]

@@ -144,6 +144,45 @@ def test_a_stop_string_over_several_tokens_stops_the_walk_and_live_decoding_at_o
     assert heldout.load(job, target, [1, 3])[0][0].shape[0] == ids.shape[1] + k + 2  # ends at token k + 1
 
 
+def test_a_conversation_is_evaluated_turn_by_turn_teacher_forced_as_live(tiny_targets, tmp_path, monkeypatch):
+    """Two-turn held-out prompts (MT-Bench's form): each turn an item whose earlier answer is the target's own;
+    live decoding's turn-two prompt is the held-out item's, and the walk equals live decoding per block on both
+    turns. eval.turns=first keeps turn one only."""
+    import json
+
+    from dflash.evaluate import live
+
+    target = tiny_targets["tiny_qwen3"]
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "turns": [f"question {i}", f"and then {i}?"]}) + "\n"
+                               for i in range(2)))
+    job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3", "eval.max_new_tokens=24", f"eval.prompts={prompts}",
+                               "eval.ddtree_budgets=[4]", f"features.dir={tmp_path}/cache"])
+    assert walk_equals_live(job, target, [4]) == 4 * 2  # 2 conversations x 2 turns x (chain, ddtree@4)
+    eval_set = heldout.load(job, target, [1, 3])
+    assert sorted(eval_set.ids) == ["q0", "q0:turn2", "q1", "q1:turn2"]
+    seen = set()
+    real = live.speculative_generate
+
+    def spy(drafter, target_, ids, *a, **k):
+        seen.add(tuple(ids[0].tolist()))
+        return real(drafter, target_, ids, *a, **k)
+
+    monkeypatch.setattr(live, "speculative_generate", spy)
+    oracle = OracleDrafter(target, eval_set[1][0].tolist(), layer_ids=(1, 3))
+    records, summary = live.live_eval(dataclasses.replace(job, eval=dataclasses.replace(job.eval, ddtree_budgets=[])),
+                                      oracle, target)
+    assert summary["metrics"]["eval/live_requests"] == 4 and summary["metrics"]["eval/live_ties"] == 0
+    assert sorted({r["prompt_id"] for r in records}) == sorted(eval_set.ids)
+    items = set()
+    for i in range(4):  # the prompt each request decoded is the held-out item's
+        ids, mask, _ = eval_set[i]
+        items.add(tuple(ids[: int(mask.nonzero()[0])].tolist()))
+    assert seen == items
+    first = dataclasses.replace(job, eval=dataclasses.replace(job.eval, turns="first"))
+    assert heldout.heldout_key(first, target) != heldout.heldout_key(job, target)
+
+
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])
 def test_dflash2_walks_equal_live_decoding_per_block(name, tiny_targets, tmp_path):
     """The selector's chain (teacher-forced with gold predecessors, whose streak is its own walk's), its pairwise
