@@ -168,7 +168,8 @@ class EvalConfig:
     compare: list[str] = field(default_factory=list)
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
     suite: str | None = None
-    """Benchmarks to evaluate, each reported on its own: paper (the DFlash paper's nine), math, code, chat, coding
+    """Benchmarks to evaluate, each reported on its own: zlab (the reference benchmark's five: gsm8k, math500,
+    humaneval, mbpp, mt_bench), paper (the nine of the reference figures), math, code, chat, coding
     (builtin:eval_coding) or names joined by + (gsm8k+humaneval); null = eval.prompts alone (dflash.evaluate.suites). evaluate.py only:
     the in-run evaluation stays on eval.prompts."""
     benchmarks_dir: str | None = None
@@ -203,7 +204,7 @@ class EvalConfig:
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
         one_of("eval.dtype", self.dtype, {"auto", "bfloat16", "float32"})
         if self.suite is not None and not self.suite.strip():
-            raise ConfigError("eval.suite is empty: give a suite (paper, math, code, chat, coding) or null")
+            raise ConfigError("eval.suite is empty: give a suite (zlab, paper, math, code, chat, coding) or null")
         if self.references is not None and self.suite is None:
             raise ConfigError("eval.references are shown per benchmark: set eval.suite too (e.g. eval.suite=paper)")
         for key in ("max_new_tokens", "completions_batch_size", "anchor_stride", "max_blocks", "max_prompts"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def turn_id(pid: str, turn: int) -> str:
     """The id of a conversation's answer to user turn `turn` (0-based): the prompt's id for the first (so
     one-turn sets and their stores keep their ids), then <id>:turn2, <id>:turn3, ..."""
     return pid if turn == 0 else f"{pid}:turn{turn + 1}"
+
+
+def conversation_id(item_id: str) -> str:
+    """The prompt id an item id (turn_id) belongs to."""
+    return re.sub(r":turn\d+$", "", item_id)
 
 
 def turn_messages(prompt: Prompt, turn: int, answers: list[str] | None = None) -> list[dict]:

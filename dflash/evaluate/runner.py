@@ -205,7 +205,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
     refs = [{**r, "differs": suites.setting_differences(r, job, block_size)} for r in suites.load_references(job.eval.references)]
     results = {}
     for label in drafters:
-        result = suites.combine(job.eval.suite, per[label])
+        result = suites.combine(job.eval.suite, per[label], job.eval.protocol)
         result["references"] = reference_rows(refs, result["benchmarks"])
         if label == first and step is not None and job.eval.mode != "live":
             result["metrics"].update(train_gap(run, step, suites.mean_metrics(result)))

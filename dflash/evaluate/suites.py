@@ -1,32 +1,54 @@
-"""Benchmark suites: named benchmarks read from local files, each a held-out set of its own.
+"""Benchmark suites: named benchmarks read from local files, each a held-out set of its own, sampled, prompted
+and averaged as the reference benchmark code does (eval.protocol, `PROTOCOLS`).
 
-`eval.suite=paper` evaluates the DFlash paper's benchmarks (arXiv 2602.06036: GSM8K, MATH-500,
-AIME24, AIME25, HumanEval, MBPP, LiveCodeBench, MT-Bench, Alpaca); `math`, `code` and `chat` are
-its three groups; `coding` is the ten shipped coding tasks (builtin:eval_coding). Nothing is
-downloaded at run time: each benchmark is a file (or a `datasets.save_to_disk` folder) under
-eval.benchmarks_dir, in the format its publisher ships (jsonl, parquet or a datasets folder), and a
-missing one is an error naming the file and the dataset to fetch it from.
+`eval.suite=zlab` evaluates the five benchmarks of the DFlash authors' benchmark as published today (the `dflash`
+0.1.0 package on PyPI, dflash/benchmark.py `DATASETS`: gsm8k, math500, humaneval, mbpp, mt-bench); `paper` the
+nine of the reference figures in conf/references/dflash_paper.yaml (github.com/z-lab/dflash README.md at commit
+bb48ef9, 2026-01-05: those five and AIME24, AIME25, LiveCodeBench and Alpaca, as that commit's model/utils.py
+`load_and_process_dataset` reads them; its SWE-Bench and LBPP are not here); `math`, `code` and `chat` are
+groups of them; `coding` is the ten shipped coding tasks (builtin:eval_coding). Nothing is downloaded at run
+time: each benchmark is a file (or a `datasets.save_to_disk` folder) under eval.benchmarks_dir, in the format its
+publisher ships (jsonl, parquet or a datasets folder), and a missing one is an error naming the file and the
+dataset to fetch it from.
 
-Prompt formatting follows the paper's own evaluation code (github.com/z-lab/dflash, model/utils.py
-`load_and_process_dataset` and run_benchmark.sh as of commit 0582f12, March 2026; dflash/benchmark.py
-`DATASETS` today): greedy decoding (temperature 0; eval.temperature, top_p, top_k and verifier pass through to
-every benchmark, and the README's temperature-1 rows are in conf/references/), at most 2048 new tokens (run_benchmark.sh
-`--max-new-tokens 2048`; the paper states the same budget, z-lab/dflash issue #21), thinking off
-unless `--enable-thinking` (our data.enable_thinking, false by default), the chat template applied
-to a single user turn, and per benchmark:
-- GSM8K, MATH-500, AIME24, AIME25: the problem, a newline, then "Please reason step by step, and put
-  your final answer within \\boxed{}." (the Qwen math instruction).
-- HumanEval: "Write a solution to the following problem and make sure that it passes the tests:"
-  and the prompt in a python code fence.
+Each prompt is the chat template applied to the user turns with a generation prompt, the user turn formatted as
+0.1.0's `DATASETS` and bb48ef9's `load_and_process_dataset` both format it (for the benchmarks each has):
+- GSM8K, MATH-500, AIME24, AIME25: the problem, a newline, then "Please reason step by step, and put your final
+  answer within \\boxed{}." (the Qwen math instruction).
+- HumanEval: "Write a solution to the following problem and make sure that it passes the tests:" and the prompt
+  in a python code fence.
 - MBPP (sanitized): the `prompt` field as it is.
-- LiveCodeBench (code_generation_lite): the LiveCodeBench generation prompt: the expert-programmer
-  instruction, "### Question:", the starter code (or a placeholder) under "### Format:", then
-  "### Answer: (use the provided format with backticks)".
-- MT-Bench: the first turn only. The paper's script continues with the second turn on its own
-  answer; a held-out set here is one prompt and its greedy completion, so only turn one is scored.
-- Alpaca: the instruction, plus "\\n\\nInput:\\n" and the input when there is one.
-Sample counts are the script's (128 per benchmark, 30 for each AIME, all 164 HumanEval, all 80
-MT-Bench); the script samples them at random, we take the first ones (eval.max_prompts lowers it).
+- LiveCodeBench (code_generation_lite; bb48ef9 only): the expert-programmer instruction, "### Question:", the
+  starter code (or a placeholder) under "### Format:", then "### Answer: (use the provided format with backticks)".
+- MT-Bench: the record's user turns (`prompt`, two questions). Both scripts ask turn two after their answer to
+  turn one (the speculative decoding's output as text; their transformers backends decode it with
+  skip_special_tokens); ours asks it after the target's own answer (dflash.data.prompts.turn_messages), at
+  temperature 0 the same answer but for numerical ties. Each turn is a request of its own (ids <id> and
+  <id>:turn2); under a protocol with turns=first only turn one is written and scored.
+- Alpaca (bb48ef9 only): the instruction, plus "\\n\\nInput:\\n" and the input when there is one.
+Decoding is greedy unless eval.temperature (both scripts' --temperature defaults to 0; eval.top_p, top_k and
+verifier pass through to every benchmark, and the README's temperature-1 rows are in conf/references/), at most
+eval.max_new_tokens (2048 in conf/eval/paper.yaml: 0.1.0's --max-new-tokens default, and what bb48ef9's
+run_benchmark.sh passes). Sample counts are bb48ef9's run_benchmark.sh --max-samples (128 per benchmark, 30 for
+each AIME, all 164 HumanEval and all 80 MT-Bench; 0.1.0's README examples pass --max-samples 128, its default
+is every record), at most eval.max_prompts, taken after the protocol's ordering.
+
+Protocols (eval.protocol), each the reading of one script:
+- zlab (the default): 0.1.0's transformers and mlx backends. `_select_dataset` shuffles the record indices with
+  random.Random(42) and takes the first --max-samples (default: all); thinking is the chat template's default
+  (`--reasoning` unset passes nothing, `_reasoning_kwargs(None) == {}`: on for Qwen3 targets) unless eval.thinking
+  (its --reasoning on/off); every MT-Bench turn; it prints statistics.mean over requests (each turn of each sample
+  is one) of each request's mean acceptance length: our tau_macro teacher-forced (the mean over per-prompt rows,
+  each turn its own row) and live_tau_macro live. Its openai backend (first turns only, the server's per-request
+  figures) is not what this reproduces.
+- zlab_bb48ef9: bb48ef9's benchmark.py, the code behind conf/references/dflash_paper.yaml.
+  `dataset.shuffle(seed=0).select(range(max_samples))` when the dataset holds more than --max-samples (HF
+  datasets' shuffle is the permutation numpy.random.default_rng(seed).permutation(n), reproduced here with numpy),
+  else every record in file order; enable_thinking=False; every MT-Bench turn; np.mean over requests of each
+  request's mean acceptance length (tau_macro / live_tau_macro, as above).
+- first_turn: this project's own: the first records in file order, data.enable_thinking, the first user turn
+  only, and the headline the pooled decoding-walk tau (every block weighs the same; DESIGN.md §5).
+Neither script averages over benchmarks; ours does, each benchmark weighing the same (eval/mean/*).
 
 Each benchmark's formatted prompts are written once to a jsonl named after it (under
 features.dir/benchmarks/<content hash>/), which becomes that benchmark's eval.prompts: the held-out
@@ -38,9 +60,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from dflash.config import JobConfig
 from dflash.data.prompts import read_records
@@ -70,13 +95,13 @@ def _livecodebench(r: dict) -> str:
             "### Answer: (use the provided format with backticks)")
 
 
-def _mt_bench(r: dict) -> str:
+def _mt_bench(r: dict) -> list[str]:
     turns = r.get("prompt", r.get("turns"))
     if isinstance(turns, str):
-        return turns
-    if not turns or not isinstance(turns[0], str):
+        return [turns]
+    if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise DataError(f"an MT-Bench record holds no turns under 'prompt' or 'turns' (keys: {sorted(r)})")
-    return turns[0]
+    return list(turns)
 
 
 def _alpaca(r: dict) -> str:
@@ -95,12 +120,14 @@ def _text(r: dict, field: str) -> str:
 class Benchmark:
     name: str
     """Key in metrics (eval/<name>/tau) and the stem of the files looked for."""
-    format: Callable[[dict], str] | None
-    """Record -> the user turn (None: the records are prompts already, e.g. a builtin: set)."""
+    format: Callable[[dict], str | list[str]] | None
+    """Record -> the user turn, or the user turns in order (MT-Bench); None: the records are prompts already
+    (a builtin: set)."""
     published: str
     """Where the data is published (the dataset to download, e.g. with datasets.load_dataset + save_to_disk)."""
     samples: int | None = None
-    """Prompts the paper's script evaluates (the first this many are taken)."""
+    """Records the reference script evaluates (bb48ef9's run_benchmark.sh --max-samples), taken in the protocol's
+    order; None: all."""
     split: str = "test"
     """Split of a datasets folder holding a DatasetDict."""
     builtin: str | None = None
@@ -120,12 +147,69 @@ BENCHMARKS = {b.name: b for b in [
     Benchmark("coding", None, "shipped with dflash (dflash/assets/prompts/eval_coding.jsonl)", builtin="builtin:eval_coding"),
 ]}
 SUITES = {
+    "zlab": ["gsm8k", "math500", "humaneval", "mbpp", "mt_bench"],
     "paper": ["gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "mt_bench", "alpaca"],
     "math": ["gsm8k", "math500", "aime24", "aime25"],
     "code": ["humaneval", "mbpp", "livecodebench"],
     "chat": ["mt_bench", "alpaca"],
     "coding": ["coding"],
 }
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a reference script samples, prompts and averages a benchmark (module docstring)."""
+
+    name: str
+    """Its eval.protocol value."""
+    select: str
+    """Which records, in which order: shuffle42 (random.Random(42).shuffle of the indices), shuffle_seed0 (HF
+    datasets' shuffle(seed=0) when there are more records than are taken, else file order) or first (file order)."""
+    thinking: str
+    """eval (eval.thinking; null = the chat template's default), off, or data (data.enable_thinking)."""
+    turns: str
+    """all (every user turn a request of its own) or first: eval.turns of each benchmark's job."""
+    mean: str
+    """The headline compared with references: requests (the mean over requests of each one's mean tau:
+    tau_macro, live_tau_macro) or blocks (the pooled walk tau: tau, live_tau)."""
+    source: str
+    """The code it reproduces."""
+
+    def order(self, n: int, count: int | None) -> list[int]:
+        """Indices of the records taken, in order, from n records; count None: all."""
+        if self.select == "shuffle42":
+            order = list(range(n))
+            random.Random(42).shuffle(order)
+        elif self.select == "shuffle_seed0" and count is not None and n > count:
+            # datasets' Dataset.shuffle(seed=s): np.random.default_rng(s).permutation(len(self))
+            order = [int(i) for i in np.random.default_rng(0).permutation(n)]
+        else:
+            order = list(range(n))
+        return order[:count]
+
+    def headline(self, mode: str) -> str:
+        """The metric (without eval/) compared with references: tau_macro, tau, live_tau_macro or live_tau."""
+        tau = "tau_macro" if self.mean == "requests" else "tau"
+        return f"live_{tau}" if mode == "live" else tau
+
+
+PROTOCOLS = {p.name: p for p in [
+    Protocol("zlab", "shuffle42", "eval", "all", "requests",
+             "z-lab dflash 0.1.0 (PyPI), dflash/benchmark.py: _select_dataset, _reasoning_kwargs(args.reasoning), "
+             "every turn of instance['turns'], _print_decode_summary's mean over requests"),
+    Protocol("zlab_bb48ef9", "shuffle_seed0", "off", "all", "requests",
+             "github.com/z-lab/dflash benchmark.py @ bb48ef9 (2026-01-05): dataset.shuffle(seed=0).select(range("
+             "max_samples)), enable_thinking=False, every turn, np.mean over requests"),
+    Protocol("first_turn", "first", "data", "first", "blocks",
+             "dflash-train: the first records, data.enable_thinking, the first user turn, the pooled walk tau"),
+]}
+
+
+def protocol_thinking(job: JobConfig) -> bool | None:
+    """The thinking switch a suite's prompts are made with under eval.protocol (None: not passed to the chat
+    template, its default)."""
+    how = PROTOCOLS[job.eval.protocol].thinking
+    return job.eval.thinking if how == "eval" else False if how == "off" else job.data.enable_thinking
 
 
 def suite_names(suite: str) -> list[str]:
@@ -156,27 +240,34 @@ def find_file(bench: Benchmark, root: Path) -> tuple[Path, str]:
 
 
 def benchmark_prompts(job: JobConfig, name: str) -> str:
-    """The prompts source (for eval.prompts) of one benchmark: its formatted prompts as a jsonl."""
+    """The prompts source (for eval.prompts) of one benchmark: its formatted prompts as a jsonl, the records
+    eval.protocol takes (Benchmark.samples of them, at most eval.max_prompts) in its order, a multi-turn record
+    as {"id", "turns": [...]} when the protocol scores every turn."""
     bench = BENCHMARKS[name]
     if bench.builtin is not None:
         return bench.builtin
     if job.eval.benchmarks_dir is None:
         raise ConfigError(f"eval.suite={job.eval.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
                           f"holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
+    protocol = PROTOCOLS[job.eval.protocol]
     path, fmt = find_file(bench, Path(job.eval.benchmarks_dir).expanduser())
-    records = read_records(str(path), fmt="hf" if fmt == "hf" else "auto", split=bench.split)[: bench.samples]
+    records = read_records(str(path), fmt="hf" if fmt == "hf" else "auto", split=bench.split)
     if not records:
         raise DataError(f"benchmark {name}: {path} holds no records")
+    counts = [c for c in (bench.samples, job.eval.max_prompts) if c is not None]
     rows, seen = [], set()
-    for n, r in enumerate(records):
+    for n in protocol.order(len(records), min(counts) if counts else None):
+        r = records[n]
         try:
             text = bench.format(r)
         except DataError as e:
             raise DataError(f"benchmark {name}: {path} record {n}: {e}") from None
+        turns = [text] if isinstance(text, str) else text if protocol.turns == "all" else text[:1]
         rid = next((str(r[k]) for k in ID_FIELDS if r.get(k) not in (None, "")), str(n))
         rid = rid if rid not in seen else f"{rid}#{n}"
         seen.add(rid)
-        rows.append({"id": rid, "prompt": text})
+        # one turn as {"prompt"}: the rows (and held-out sets) of one-turn prompts are what they were
+        rows.append({"id": rid, "prompt": turns[0]} if len(turns) == 1 else {"id": rid, "turns": turns})
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     digest = hashlib.sha256(body.encode()).hexdigest()[:12]
     out = Path(job.features.dir) / "benchmarks" / digest / f"{name}.jsonl"
@@ -189,10 +280,19 @@ def benchmark_prompts(job: JobConfig, name: str) -> str:
 
 
 def benchmark_jobs(job: JobConfig) -> dict[str | None, JobConfig]:
-    """{benchmark: the job with that benchmark's prompts as eval.prompts}; {None: job} without eval.suite."""
+    """{benchmark: the job with that benchmark's prompts as eval.prompts, and eval.turns and data.enable_thinking
+    as eval.protocol has them}; {None: job} without eval.suite."""
     if job.eval.suite is None:
         return {None: job}
-    return {name: replace(job, eval=replace(job.eval, prompts=benchmark_prompts(job, name)))
+    protocol, thinking = PROTOCOLS[job.eval.protocol], protocol_thinking(job)
+    if job.eval.thinking is not None and job.eval.thinking != thinking:  # only zlab reads it: say so, never ignore it
+        said = "off" if protocol.thinking == "off" else f"data.enable_thinking={job.data.enable_thinking}"
+        raise ConfigError(f"eval.thinking={job.eval.thinking} is the thinking switch of eval.protocol=zlab; "
+                          f"eval.protocol={protocol.name} prompts with thinking {said}: set eval.thinking=null, or "
+                          f"eval.protocol=zlab")
+    data = replace(job.data, enable_thinking=thinking)
+    return {name: replace(job, data=data, eval=replace(job.eval, prompts=benchmark_prompts(job, name),
+                                                       turns=protocol.turns))
             for name in suite_names(job.eval.suite)}
 
 
@@ -205,15 +305,17 @@ def live_per_prompt(records: list[dict]) -> dict[str, dict]:
     return {pid: {"tau": sum(t) / len(t), "blocks": len(t)} for pid, t in table.items()}
 
 
-MEAN_KEYS = ("tau", "tau_macro", "full", "tau_all_anchors", "full_all_anchors", "live_tau",
+MEAN_KEYS = ("tau", "tau_macro", "full", "tau_all_anchors", "full_all_anchors", "live_tau", "live_tau_macro",
              "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost", "live_speedup")
 
 
-def combine(suite: str, summaries: dict[str, dict]) -> dict:
+def combine(suite: str, summaries: dict[str, dict], protocol: str = "zlab") -> dict:
     """One drafter's suite result from its per-benchmark summaries: eval/<bench>/<metric> for every metric,
     eval/mean/<metric> the paper-style mean over benchmarks (each benchmark weighs the same, whatever its
-    size) of the headline metrics (tau, full, tau_all_anchors, acc@k, ddtree@N, live tau and tokens per
-    forward), the per-prompt rows of every benchmark (`prompts`, best first) and the summed tau histogram."""
+    size) of the headline metrics (tau, tau_macro, full, tau_all_anchors, acc@k, ddtree@N, live tau, its mean
+    over requests and tokens per forward), the per-prompt rows of every benchmark (`prompts`, best first), the
+    summed tau histogram and the protocol (`protocol`: name, mean, and `headline`, the metric compared with
+    references)."""
     metrics, prompts = {}, []
     for bench, s in summaries.items():
         metrics.update({f"eval/{bench}/{k.removeprefix('eval/')}": v for k, v in s["metrics"].items()})
@@ -232,9 +334,11 @@ def combine(suite: str, summaries: dict[str, dict]) -> dict:
     hists = [s["tau_histogram"] for s in summaries.values()]
     hist = [sum(h[i] for h in hists if i < len(h)) for i in range(max(map(len, hists)))]
     prompts.sort(key=lambda p: (-p["tau"], p["benchmark"], p["prompt_id"]))
+    mode = first.get("mode", "teacher_forced")
+    how = PROTOCOLS[protocol]
     return {"suite": suite, "benchmarks": list(summaries), "metrics": metrics, "prompts": prompts,
             "tau_histogram": hist, "block_size": first["block_size"], "ddtree_budgets": first["ddtree_budgets"],
-            "mode": first.get("mode", "teacher_forced")}
+            "mode": mode, "protocol": {"name": how.name, "mean": how.mean, "headline": how.headline(mode)}}
 
 
 def mean_metrics(suite_summary: dict) -> dict:
@@ -248,9 +352,10 @@ REFERENCES = Path(__file__).resolve().parents[2] / "conf" / "references"
 
 def load_references(spec: str | None) -> list[dict]:
     """Published figures to show beside ours: eval.references, a YAML file or the name of one shipped in
-    conf/references/. Each entry: name, source (paper table or model card), target, thinking, block_size,
-    temperature (with top_p, top_k and verifier when sampled), and `tau` per benchmark name ({gsm8k: 6.5, ...});
-    settings not given are not compared."""
+    conf/references/. Each entry: name, source (paper table or model card), protocol (a name in PROTOCOLS: how
+    the figures were sampled, prompted and averaged), target, thinking, block_size, temperature (with top_p, top_k
+    and verifier when sampled), and `tau` per benchmark name ({gsm8k: 6.5, ...}); settings not given are not
+    compared."""
     if spec is None:
         return []
     path = Path(spec).expanduser()
@@ -270,21 +375,29 @@ def load_references(spec: str | None) -> list[dict]:
         if unknown:
             raise DataError(f"{path}: references[{n}] ({ref['name']}) has tau for unknown benchmark(s) "
                             f"{', '.join(unknown)}; benchmarks: {', '.join(BENCHMARKS)}")
+        if ref.get("protocol") is not None and ref["protocol"] not in PROTOCOLS:
+            raise DataError(f"{path}: references[{n}] ({ref['name']}) has protocol {ref['protocol']!r}; known "
+                            f"protocols: {', '.join(PROTOCOLS)} (dflash.evaluate.suites.PROTOCOLS)")
     return refs
 
 
 def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]:
-    """The settings where a reference was measured differently from this evaluation (target, thinking,
-    block size, temperature, and at temperature > 0 top-p, top-k and the verifier: rejection, seeded or a
-    reference's exact_match of greedy drafts), each as 'what: theirs (ours ...)'; settings the reference leaves
-    out are not compared."""
+    """The settings where a reference was measured differently from this evaluation (protocol, target, thinking
+    as eval.protocol prompts with it, block size, temperature, and at temperature > 0 top-p, top-k and the
+    verifier: rejection, seeded or a reference's exact_match of greedy drafts), each as 'what theirs (ours ...)';
+    settings the reference leaves out are not compared. Thinking left to the chat template's default (on for
+    Qwen3 targets) is never taken to agree: the template is not read here."""
     out = []
+    if ref.get("protocol") is not None and ref["protocol"] != job.eval.protocol:
+        out.append(f"protocol {ref['protocol']} (ours {job.eval.protocol})")
     target = ref.get("target")
     ours = {job.target.name.lower(), job.target.path.lower(), Path(job.target.path).name.lower()}
     if target is not None and str(target).lower() not in ours and Path(str(target)).name.lower() not in ours:
         out.append(f"target {target} (ours {job.target.path})")
-    if ref.get("thinking") is not None and bool(ref["thinking"]) != job.data.enable_thinking:
-        out.append(f"thinking {'on' if ref['thinking'] else 'off'} (ours {'on' if job.data.enable_thinking else 'off'})")
+    thinking = protocol_thinking(job)
+    if ref.get("thinking") is not None and (thinking is None or bool(ref["thinking"]) != thinking):
+        said = "the chat template's default" if thinking is None else "on" if thinking else "off"
+        out.append(f"thinking {'on' if ref['thinking'] else 'off'} (ours {said})")
     if ref.get("block_size") is not None and int(ref["block_size"]) != block_size:
         out.append(f"block size {ref['block_size']} (ours {block_size})")
     if ref.get("temperature") is not None and float(ref["temperature"]) != job.eval.temperature:

@@ -136,23 +136,27 @@ def reference_rows(references: list[dict], benchmarks: list[str]) -> list[dict]:
 def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None, top: int = 3) -> None:
     """Per benchmark, a row per drafter and a row per reference (published tau, `*` where its settings differ),
     then the mean over benchmarks (paper style: each benchmark weighs the same); then each drafter's best and
-    worst prompts by tau, and the train/eval gap on the suite mean."""
+    worst prompts by tau, and the train/eval gap on the suite mean. The first tau column is the protocol's
+    headline, the one references sit in: tau_macro (live: of live_tau_macro) when it averages over requests, then
+    the pooled tau beside it; tau alone when it pools blocks."""
     from dflash.evaluate.suites import mean_metrics
 
     out = out or sys.stdout
     first = next(iter(suites.values()))
     suite, benches, budgets = first["suite"], first["benchmarks"], first["ddtree_budgets"]
     refs = first.get("references", [])
+    protocol = first.get("protocol") or {"name": None, "mean": "blocks"}  # a result from before the protocols
+    taus = ["tau_macro", "tau"] if protocol["mean"] == "requests" else ["tau"]
     if mode == "live":
-        header = ["benchmark", "drafter", "tau", "tok/forward", "tok/verify", "cost/verify", "speedup", "prompts"]
-        keys = ["live_tau", "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost", "live_speedup",
-                "live_prompts"]
+        header = ["benchmark", "drafter", *taus, "tok/forward", "tok/verify", "cost/verify", "speedup", "prompts"]
+        keys = [*[f"live_{t}" for t in taus], "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost",
+                "live_speedup", "live_prompts"]
     else:
         sampled = any("eval/mean/tau_expected" in s["metrics"] for s in suites.values())
         expected = ["tau_expected"] if sampled else []
-        header = ["benchmark", "drafter", "tau", *expected, "full", "tau_all", "acc@1",
+        header = ["benchmark", "drafter", *taus, *expected, "full", "tau_all", "acc@1",
                   *[f"ddtree@{n}" for n in budgets], "blocks", "prompts"]
-        keys = ["tau", *expected, "full", "tau_all_anchors", "acc@1", *[f"ddtree@{n}" for n in budgets], "blocks",
+        keys = [*taus, *expected, "full", "tau_all_anchors", "acc@1", *[f"ddtree@{n}" for n in budgets], "blocks",
                 "prompts"]
     blank = ["-"] * (len(keys) - 1)
     rows = []
@@ -169,6 +173,10 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
                 cover = "" if ref["covers"] == len(benches) else f" ({ref['covers']} of {len(benches)})"
                 rows.append([name, label + cover, ref["mean"], *blank])
     print_table(rows, header, out)
+    if protocol["name"] is not None:
+        what = ("the mean over requests (each user turn of each prompt) of each request's mean tau" if len(taus) > 1
+                else "the mean over every block of the decoding walk")
+        out.write(f"protocol {protocol['name']}: {taus[0]} is {what}; references are read against it\n")
     for ref in refs:
         differs = f"; settings differ: {', '.join(ref['differs'])}" if ref["differs"] else ""
         out.write(f"{ref['name']}{' *' if ref['differs'] else ''}: {ref['source']}{differs}\n")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.prompts import conversation_id
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
@@ -60,9 +61,12 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
     device, dtype = embed.weight.device, next(drafter.parameters()).dtype
     records = []
-    n_prompts = len(eval_set) if cfg.max_prompts is None else min(cfg.max_prompts, len(eval_set))
-    progress = Progress(n_prompts, "teacher-forced eval", "prompts")
-    for i in range(n_prompts):
+    items = range(len(eval_set))
+    if cfg.max_prompts is not None:  # at most eval.max_prompts prompts, every turn of each conversation
+        kept = list(dict.fromkeys(conversation_id(pid) for pid in eval_set.ids))[: cfg.max_prompts]
+        items = [i for i in items if conversation_id(eval_set.ids[i]) in set(kept)]
+    progress = Progress(len(items), "teacher-forced eval", "requests")
+    for i in items:
         ids, mask, feats = eval_set[i]
         length = ids.numel()
         response = mask.nonzero().flatten()

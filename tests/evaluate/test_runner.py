@@ -373,7 +373,8 @@ def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained,
     summary = json.loads((out / "summary.json").read_text())
     for b in benches:
         one = json.loads((out / b / "summary.json").read_text())
-        assert one["benchmark"] == b and one["metrics"]["eval/prompts"] == 2
+        # MT-Bench: both turns, each a request (protocol zlab)
+        assert one["benchmark"] == b and one["metrics"]["eval/prompts"] == (4 if b == "mt_bench" else 2)
         assert metrics[f"eval/{b}/tau"] == one["metrics"]["eval/tau"] >= 1.0  # the walk, as decoding sees it
         assert (out / b / "blocks.jsonl").exists() and (out / b / "tau_histogram.png").exists()
         anchors = [json.loads(x)["anchor"] for x in (out / b / "blocks.jsonl").read_text().splitlines()]
@@ -387,10 +388,13 @@ def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained,
     assert summary["metrics"] == metrics and summary["benchmarks"] == benches
     assert metrics["eval/gap_tau"] == pytest.approx(metrics["eval/mean/tau_all_anchors"] / metrics["eval/train_tau"])
     prompts = summary["prompts"]
-    assert len(prompts) == 6 and [p["tau"] for p in prompts] == sorted((p["tau"] for p in prompts), reverse=True)
+    assert {p["prompt_id"] for p in prompts if p["benchmark"] == "mt_bench"} == {"81", "81:turn2", "82", "82:turn2"}
+    assert len(prompts) == 8 and [p["tau"] for p in prompts] == sorted((p["tau"] for p in prompts), reverse=True)
     assert {p["benchmark"] for p in prompts} == set(benches) and "HumanEval/0" in {p["prompt_id"] for p in prompts}
     [published, same] = summary["references"]
-    assert published["differs"] == [f"target Qwen/Qwen3-8B (ours {compose_target_path()})"] and same["differs"] == []
+    # the default protocol (zlab) leaves thinking to the chat template: a reference measured without it differs
+    assert published["differs"] == [f"target Qwen/Qwen3-8B (ours {compose_target_path()})",
+                                    "thinking off (ours the chat template's default)"] and same["differs"] == []
     assert published["mean"] == pytest.approx((6.5 + 5.5 + 3.5) / 3) and same["covers"] == 1
     printed = capsys.readouterr().out
     lines = printed.splitlines()
@@ -411,7 +415,7 @@ def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained,
     assert scalars["train/step"] == 4 and scalars["eval/mean/tau"] == metrics["eval/mean/tau"]
     assert "eval/tau" not in scalars and eval_run.summary == {}  # the best single-set tau is not this suite's mean
     [tables] = [d for d in eval_run.logged if "eval/prompts" in d]
-    assert len(tables["eval/prompts"].data) == 6 and tables["eval/prompts"].columns[:3] == ["benchmark", "prompt_id", "tau"]
+    assert len(tables["eval/prompts"].data) == 8 and tables["eval/prompts"].columns[:3] == ["benchmark", "prompt_id", "tau"]
     assert [row[0] for row in tables["eval/benchmarks"].data] == benches
     assert tables["eval/benchmarks"].data[1][2] == 5.5  # the published figure beside ours
 

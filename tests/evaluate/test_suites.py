@@ -1,6 +1,9 @@
-"""Benchmark suites: files in each public format, the paper's prompt formatting, clear errors, references."""
+"""Benchmark suites: files in each public format, the paper's prompt formatting, the protocols (which records,
+thinking, turns, the headline mean), clear errors, references."""
 
+import io
 import json
+import random
 
 import pytest
 
@@ -43,13 +46,13 @@ def test_every_format_is_read_and_formatted_as_the_papers_evaluation(tmp_path):
     j = job(tmp_path, "eval.suite=gsm8k+humaneval+mt_bench")
     benches = suites.benchmark_jobs(j)
     assert list(benches) == ["gsm8k", "humaneval", "mt_bench"]
-    gsm8k, humaneval, mt_bench = (read(b.eval.prompts) for b in benches.values())
-    assert gsm8k[0] == {"id": "0", "prompt": "What is 2 + 3?\nPlease reason step by step, and put your final "
-                                             "answer within \\boxed{}."}
-    assert humaneval[1]["id"] == "HumanEval/1" and humaneval[1]["prompt"] == (
+    gsm8k, humaneval, mt_bench = ({r["id"]: r for r in read(b.eval.prompts)} for b in benches.values())
+    assert gsm8k["0"] == {"id": "0", "prompt": "What is 2 + 3?\nPlease reason step by step, and put your final "
+                                               "answer within \\boxed{}."}
+    assert humaneval["HumanEval/1"]["prompt"] == (
         "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
         "def neg(a):\n    \"\"\"Negate.\"\"\"\n\n```")
-    assert mt_bench == [{"id": "81", "prompt": "Write a haiku about rain."}, {"id": "82", "prompt": "Describe a cat."}]
+    assert mt_bench["81"] == {"id": "81", "turns": ["Write a haiku about rain.", "Now make it sad."]}  # both turns
     assert all(b.eval.prompts.endswith(f"/{name}.jsonl") for name, b in benches.items())
     assert suites.benchmark_jobs(job(tmp_path)) == {None: job(tmp_path)}  # no suite: eval.prompts as today
 
@@ -84,7 +87,9 @@ def test_coding_is_a_suite_of_its_own_and_paper_counts_are_kept(tmp_path):
     root = tmp_path / "bench"
     root.mkdir()
     (root / "aime24.jsonl").write_text("".join(json.dumps({"id": n, "problem": f"p{n}"}) + "\n" for n in range(40)))
-    assert len(read(suites.benchmark_prompts(job(tmp_path), "aime24"))) == 30  # the paper's script: 30 per AIME
+    every = job(tmp_path, "eval.max_prompts=null")
+    assert len(read(suites.benchmark_prompts(every, "aime24"))) == 30  # the paper's script: 30 per AIME
+    assert len(read(suites.benchmark_prompts(job(tmp_path, "eval.max_prompts=3"), "aime24"))) == 3
 
 
 def test_heldout_sets_are_keyed_per_benchmark_by_content(tmp_path, tiny_targets):
@@ -124,11 +129,12 @@ def test_references_load_and_mark_settings_that_differ(tmp_path):
     path.write_text("references:\n  - {name: ref, source: model card, target: Qwen/Qwen3-8B, thinking: false, "
                     "block_size: 16, tau: {gsm8k: 6.0}}\n")
     [ref] = suites.load_references(str(path))
-    j = compose("evaluate", ["debug=tiny"])
+    j = compose("evaluate", ["debug=tiny", "eval.thinking=false"])
     assert suites.setting_differences(ref, j, 16) == ["target Qwen/Qwen3-8B (ours " + j.target.path + ")"]
     differs = suites.setting_differences({**ref, "target": j.target.name, "thinking": True, "temperature": 1.0}, j, 8)
     assert differs == ["thinking on (ours off)", "block size 16 (ours 8)", "temperature 1.0 (ours 0.0)"]
-    sampled = compose("evaluate", ["debug=tiny", "eval.temperature=1.0", "eval.top_p=0.9"])
+    sampled = compose("evaluate", ["debug=tiny", "eval.temperature=1.0", "eval.top_p=0.9",
+                                   "eval.protocol=zlab_bb48ef9"])
     assert suites.setting_differences({**hot, "target": j.target.name}, sampled, 16) == [
         "top-p 1.0 (ours 0.9)", "verifier exact_match (ours rejection)"]  # a sampled reference: how it sampled
     path.write_text("references:\n  - {name: ref, source: x, tau: {gsm9k: 1.0}}\n")
@@ -156,5 +162,117 @@ def test_the_paper_suite_reads_all_nine_benchmarks_in_their_public_fields(tmp_pa
     assert ids == {"gsm8k": "0", "math500": "test/x.json", "aime24": "60", "aime25": "1", "humaneval": "HumanEval/0",
                    "mbpp": "2", "livecodebench": "abc", "mt_bench": "81", "alpaca": "0"}
     paper = compose("evaluate", ["eval=paper"])  # debug=tiny shortens the completions; the preset does not
-    assert paper.eval.max_new_tokens == 2048 and paper.eval.temperature == 0.0 and not paper.data.enable_thinking
+    assert paper.eval.max_new_tokens == 2048 and paper.eval.temperature == 0.0
+    assert paper.eval.protocol == "zlab" and suites.protocol_thinking(paper) is False  # "thinking off", as it says
     assert paper.eval.references == "dflash_paper"
+    assert suites.SUITES["zlab"] == ["gsm8k", "math500", "humaneval", "mbpp", "mt_bench"]  # 0.1.0's DATASETS
+
+
+def write_gsm8k(root, n=20):
+    root.mkdir(parents=True, exist_ok=True)
+    records = [{"id": f"q{i}", "question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(n)]
+    (root / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def ids(j, name="gsm8k"):
+    return [r["id"] for r in read(suites.benchmark_prompts(j, name))]
+
+
+def test_each_protocol_takes_the_records_its_script_takes(tmp_path):
+    write_gsm8k(tmp_path / "bench")
+    order = list(range(20))
+    random.Random(42).shuffle(order)  # dflash 0.1.0 benchmark.py _select_dataset
+    zlab = ids(job(tmp_path, "eval.max_prompts=null"))
+    assert zlab == [f"q{i}" for i in order] != [f"q{i}" for i in range(20)]  # every record, shuffled
+    assert ids(job(tmp_path, "eval.max_prompts=5")) == zlab[:5]  # --max-samples 5: the first 5 after the shuffle
+    assert ids(job(tmp_path, "eval.max_prompts=5", "eval.protocol=first_turn")) == [f"q{i}" for i in range(5)]
+
+
+def test_the_bb48ef9_protocol_shuffles_as_hf_datasets_did(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = write_gsm8k(tmp_path / "bench")
+    theirs = datasets.Dataset.from_list(records).shuffle(seed=0).select(range(5))["id"]  # bb48ef9 benchmark.py
+    ours = ids(job(tmp_path, "eval.max_prompts=5", "eval.protocol=zlab_bb48ef9"))
+    assert ours == theirs != [f"q{i}" for i in range(5)]
+    # no more records than --max-samples: that script shuffled nothing, every record in file order
+    assert ids(job(tmp_path, "eval.max_prompts=null", "eval.protocol=zlab_bb48ef9")) == [f"q{i}" for i in range(20)]
+
+
+def test_protocols_set_turns_and_thinking_of_each_benchmark(tmp_path):
+    write_benchmarks(tmp_path / "bench")
+
+    def bench(*overrides):
+        return suites.benchmark_jobs(job(tmp_path, "eval.suite=mt_bench", *overrides))["mt_bench"]
+
+    zlab = bench()
+    assert zlab.eval.turns == "all" and zlab.data.enable_thinking is None  # the chat template's default
+    assert read(zlab.eval.prompts)[0]["turns"] == ["Describe a cat.", "Shorter."]  # shuffled: 82 first; both turns
+    assert bench("eval.thinking=false").data.enable_thinking is False  # --reasoning off
+    assert bench("eval.thinking=true").data.enable_thinking is True
+    old = bench("eval.protocol=zlab_bb48ef9")
+    assert old.eval.turns == "all" and old.data.enable_thinking is False and "turns" in read(old.eval.prompts)[0]
+    first = bench("eval.protocol=first_turn", "data.enable_thinking=true")
+    assert first.eval.turns == "first" and first.data.enable_thinking is True
+    assert read(first.eval.prompts) == [{"id": "81", "prompt": "Write a haiku about rain."},
+                                        {"id": "82", "prompt": "Describe a cat."}]
+    with pytest.raises(ConfigError, match=r"eval.thinking=True .*eval.protocol=zlab_bb48ef9 prompts with thinking off"):
+        bench("eval.protocol=zlab_bb48ef9", "eval.thinking=true")
+
+
+def test_references_name_their_protocol_and_the_thinking_we_use(tmp_path):
+    shipped = suites.load_references("dflash_paper")
+    assert {r["protocol"] for r in shipped} == {"zlab_bb48ef9"}
+    ref = {"name": "ref", "source": "x", "protocol": "zlab_bb48ef9", "thinking": False}
+    j = compose("evaluate", ["debug=tiny"])  # protocol zlab, eval.thinking null
+    assert suites.setting_differences(ref, j, 16) == [
+        "protocol zlab_bb48ef9 (ours zlab)", "thinking off (ours the chat template's default)"]
+    # under zlab data.enable_thinking is not what the prompts are made with: eval.thinking is
+    def differs(*overrides):
+        return suites.setting_differences(ref, compose("evaluate", ["debug=tiny", *overrides]), 16)
+    assert differs("data.enable_thinking=false")[1] == "thinking off (ours the chat template's default)"
+    assert differs("eval.thinking=true")[1] == "thinking off (ours on)"
+    assert differs("eval.protocol=zlab_bb48ef9") == []
+    assert differs("eval.protocol=first_turn") == ["protocol zlab_bb48ef9 (ours first_turn)"]  # thinking: data's, off
+    path = tmp_path / "refs.yaml"
+    path.write_text("references:\n  - {name: ref, source: x, protocol: zlab_v2, tau: {gsm8k: 1.0}}\n")
+    with pytest.raises(DataError, match=r"refs.yaml: references\[0\] \(ref\) has protocol 'zlab_v2'.*zlab, "
+                                        r"zlab_bb48ef9, first_turn"):
+        suites.load_references(str(path))
+
+
+def suite_result(protocol, mode="teacher_forced"):
+    from dflash.evaluate.summary import reference_rows
+
+    prefix = "live_" if mode == "live" else ""
+    summary = {"metrics": {f"eval/{prefix}tau": 3.0, f"eval/{prefix}tau_macro": 4.0, "eval/acc@1": 0.5,
+                           "eval/blocks": 10, "eval/prompts": 2},
+               "per_prompt": {"p": {"tau": 4.0, "blocks": 10}}, "tau_histogram": [10], "block_size": 2,
+               "ddtree_budgets": [], "mode": mode}
+    result = suites.combine("gsm8k", {"gsm8k": summary}, protocol)
+    result["references"] = reference_rows([{"name": "ref", "source": "x", "tau": {"gsm8k": 6.5}}], ["gsm8k"])
+    return result
+
+
+def suite_table(protocol, mode="teacher_forced"):
+    """(header, the first rows, the whole text) of print_suite."""
+    from dflash.evaluate.summary import print_suite
+
+    out = io.StringIO()
+    print_suite({"step1": suite_result(protocol, mode)}, mode, out)
+    lines = out.getvalue().splitlines()
+    return lines[0].split(), [line.split() for line in lines[2:4]], out.getvalue()
+
+
+def test_the_suite_table_leads_with_the_protocols_mean():
+    header, rows, text = suite_table("zlab")
+    assert header[2:4] == ["tau_macro", "tau"]  # the mean over requests first, the pooled walk tau beside it
+    assert rows[0][2:4] == ["4.000", "3.000"] and rows[1][1:3] == ["ref", "6.500"]  # references in the headline's
+    assert "protocol zlab: tau_macro is the mean over requests" in text
+    header, rows, text = suite_table("first_turn")
+    assert header[2:4] == ["tau", "full"] and rows[0][2] == "3.000" and "protocol first_turn: tau is" in text
+    header, rows, _ = suite_table("zlab", "live")
+    assert header[2:4] == ["tau_macro", "tau"] and rows[0][2:4] == ["4.000", "3.000"]  # live_tau_macro, live_tau
+    live = suite_result("zlab", "live")
+    assert live["protocol"] == {"name": "zlab", "mean": "requests", "headline": "live_tau_macro"}
+    assert live["metrics"]["eval/mean/live_tau_macro"] == 4.0
