@@ -148,9 +148,9 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
     protocol = first.get("protocol") or {"name": None, "mean": "blocks"}  # a result from before the protocols
     taus = ["tau_macro", "tau"] if protocol["mean"] == "requests" else ["tau"]
     if mode == "live":
-        header = ["benchmark", "drafter", *taus, "tok/forward", "tok/verify", "cost/verify", "speedup", "prompts"]
+        header = ["benchmark", "drafter", *taus, "tok/forward", "tok/verify", "cost/verify", "speedup", "requests"]
         keys = [*[f"live_{t}" for t in taus], "live_tokens_per_forward", "live_tokens_per_verify", "live_verify_cost",
-                "live_speedup", "live_prompts"]
+                "live_speedup", "live_requests"]
     else:
         sampled = any("eval/mean/tau_expected" in s["metrics"] for s in suites.values())
         expected = ["tau_expected"] if sampled else []
