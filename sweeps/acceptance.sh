@@ -12,9 +12,10 @@
 set -euo pipefail
 ROOT=${ROOT:-runs/acceptance}
 SEEDS=${SEEDS:-"0 1 2"}
-ARMS=${ARMS:-"decay_ce kl tv nla expected_tau"}
+ARMS=${ARMS:-"decay_ce decay_ce_online kl tv nla expected_tau"}
 declare -A OVERRIDES=(
   [decay_ce]="loss=decay_ce"
+  [decay_ce_online]="loss=decay_ce train.mode=online"
   [kl]="loss=kl train.mode=online"
   [tv]="loss=tv loss.temperature=1.0 train.mode=online"
   [nla]="loss=nla loss.temperature=1.0 train.mode=online"
