@@ -2,6 +2,8 @@
 # The acceptance losses (issue 37) against decayed CE and KL on the default (toy) recipe, 3 seeds each, equal
 # steps: tv (1 - alpha per slot), nla (-log alpha), expected_tau (the block's expected accepted length), all at
 # loss.temperature=1 and online (they need the target's distribution; offline: features.topk_logits=64).
+# decay_ce trains offline on the bf16 feature cache, as the default run does; decay_ce_online trains it online, on
+# the float32 features the other arms train on, so that no comparison crosses feature kinds (issue 38).
 #
 #   bash sweeps/acceptance.sh                      # runs into runs/acceptance/ (ROOT=..., ARMS="tv nla" to narrow)
 #   bash sweeps/acceptance.sh train.max_steps=200  # extra arguments go to every run
