@@ -52,6 +52,20 @@ def _gated_deltanet_outputs(model, ids, layers) -> tuple[torch.Tensor, torch.Ten
     return features, torch.cat(outs, -1)
 
 
+def torch_reference(fn):
+    """The PyTorch function behind a kernel dispatcher of transformers: its __wrapped__ (before 5.25), or for
+    5.25's hub-kernel dispatcher (a `kernels` Func module, no __wrapped__) that of the function its forward
+    calls; None for a plain function."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None:
+        return inner
+    for cell in getattr(getattr(type(fn), "forward", None), "__closure__", None) or ():
+        inner = getattr(cell.cell_contents, "__wrapped__", None)
+        if callable(inner):
+            return inner
+    return None
+
+
 @contextmanager
 def fallback_kernels(model):
     """transformers' PyTorch reference code for the Gated DeltaNet layers of `model` while active, whatever
@@ -61,11 +75,11 @@ def fallback_kernels(model):
     linears = [m for m in model.modules() if "GatedDeltaNet" in type(m).__name__]
     module = sys.modules[type(linears[0]).__module__]
     torch_rule = getattr(module, "torch_chunk_gated_delta_rule", None)
-    torch_rule = getattr(torch_rule, "__wrapped__", torch_rule)
+    torch_rule = torch_reference(torch_rule) or torch_rule
     saved = []  # (object, attribute, bound value)
     for k in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
         fn = getattr(module, k, None)
-        if getattr(fn, "__wrapped__", None) is not None:
+        if torch_reference(fn) is not None:
             saved.append((module, k, fn))
     for m in linears:
         if getattr(m, "chunk_gated_delta_rule", None) is not None and torch_rule is not None:
@@ -77,7 +91,7 @@ def fallback_kernels(model):
                            f"(torch_chunk_gated_delta_rule, causal_conv1d_fn): update fallback_kernels")
     try:
         for obj, k, fn in saved:
-            fallback = getattr(fn, "__wrapped__", fn) if obj is module else (torch_rule if "rule" in k else None)
+            fallback = torch_reference(fn) if obj is module else (torch_rule if "rule" in k else None)
             setattr(obj, k, fallback)
         yield sorted({k for _, k, _ in saved})
     finally:

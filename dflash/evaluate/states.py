@@ -35,6 +35,16 @@ KERNEL = "torch_chunk_gated_delta_rule"
 (fla's when installed, else transformers' PyTorch one); multi-token forwards go through it."""
 
 
+def _kernel_interface(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **kwargs):
+    """The arguments of transformers' torch_chunk_gated_delta_rule, as its Gated DeltaNet layers pass them. Read
+    from here, not from the kernel: from transformers 5.25 on the module-level name is a hub-kernel dispatcher
+    whose own signature is (*args, **kwargs)."""
+
+
+_KERNEL_SIGNATURE = inspect.signature(_kernel_interface)
+
+
 def new_cache(target, recording: bool):
     """A DynamicCache whose attention layers keep every position; `recording`: linear-attention layers keep
     their whole convolution input during each forward, until `commit` (or `settle`) cuts it back."""
@@ -46,7 +56,12 @@ def new_cache(target, recording: bool):
                     for layer in cache.layers]
     if recording:
         for layer in linear_layers(cache):
-            layer.activate_past_recording()
+            # transformers >= 5.25 can also compute the last N recurrent states itself (N = 0 here: StateRecorder
+            # computes the ones verification needs, for a tree's paths too); before 5.25 there is no such argument
+            if "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters:
+                layer.activate_past_recording(recurrent_states_to_keep=0)
+            else:
+                layer.activate_past_recording()
     return cache
 
 
@@ -98,12 +113,17 @@ def commit(cache, past: int, kept: int, verified: int, state: dict[int, torch.Te
     for index, layer in enumerate(cache.layers):
         if not hasattr(layer, "recurrent_states"):
             continue
-        layer.crop(kept - verified)
-        if state is not None:
-            layer.recurrent_states[0] = state[index].to(layer.recurrent_states[0].dtype).contiguous()
-        elif kept < verified:
+        if state is None and kept < verified:
             raise ValueError("commit: a linear-attention layer saw rejected tokens and no state was recorded for "
                              "the last kept one")
+        committed = None if state is None else state[index].to(layer.recurrent_states[0].dtype).contiguous()
+        if committed is not None and kept < verified and hasattr(layer, "recurrent_states_history"):
+            # transformers >= 5.25 restores a cropped layer's recurrent state from a history it keeps only when it
+            # computes the states itself (recurrent_states_to_keep > 0, see new_cache): hand it ours
+            layer.recurrent_states_history = {0: [committed] * (verified - kept)}
+        layer.crop(kept - verified)
+        if committed is not None:
+            layer.recurrent_states[0] = committed
 
 
 def gated_delta_states(key, value, g, beta, initial_state, l2norm: bool, rows: list[list[int]]) -> torch.Tensor:
@@ -158,11 +178,9 @@ class StateRecorder:
         return rows, [offsets[t] + rows[t].index(row) for row, t in self.wanted]
 
     def _wrap(self, kernel):
-        signature = inspect.signature(kernel)
-
         def recording_kernel(*args, **kwargs):
             out = kernel(*args, **kwargs)
-            a = signature.bind(*args, **kwargs).arguments
+            a = _KERNEL_SIGNATURE.bind(*args, **kwargs).arguments
             rows, order = self._rows_per_position(a["key"].shape[1])
             states = gated_delta_states(a["key"], a["value"], a["g"], a["beta"], a.get("initial_state"),
                                         bool(a.get("use_qk_l2norm_in_kernel", False)), rows)

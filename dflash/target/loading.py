@@ -280,8 +280,10 @@ def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, 
     """
     from transformers import AutoModelForCausalLM
 
+    # use_kernels=False: from 5.25 on transformers otherwise swaps layers' kernels for ones fetched from the hub
+    # (kernelize), a backend the provenance records would not name (and a hub lookup on offline machines)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                                device_map={"": device}, **common)
+                                                device_map={"": device}, use_kernels=False, **common)
 
 
 def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
