@@ -38,5 +38,8 @@ class StopStrings:
         None."""
         if self.criteria is None or start >= len(ids):
             return None
-        hit = self.hits(torch.tensor([ids]), start)[0]
+        # the criteria read the last maximum_token_len tokens only: pass that much context, not the whole sequence
+        # (plain decoding asks once per token)
+        lo = max(0, start + 1 - self.criteria.maximum_token_len)
+        hit = self.hits(torch.tensor([ids[lo:]]), start - lo)[0]
         return start + int(hit.nonzero()[0]) if hit.any() else None

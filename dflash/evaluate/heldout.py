@@ -10,8 +10,8 @@ eval.completions_batch_size (a set made one prompt at a time keeps its key), and
 settings and eval.topk_logits (a greedy set keeps its key), data.completions.stop when set, and for prompts
 with several user turns eval.turns. Every user turn of a conversation is an item of its own (ids <id>,
 <id>:turn2, ...), after the target's own answers to the earlier ones (dflash.data.sequences, all_turns), unless
-eval.turns=first. The held-out completions are never truncated, so data.max_length plays no part. The features folder is per layer set (drafters compared
-side by side may read different layers).
+eval.turns=first. The held-out completions are never truncated, so data.max_length plays no part. The features
+folder is per layer set (drafters compared side by side may read different layers).
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     records = []
     items = range(len(eval_set))
     if cfg.max_prompts is not None:  # at most eval.max_prompts prompts, every turn of each conversation
-        kept = list(dict.fromkeys(conversation_id(pid) for pid in eval_set.ids))[: cfg.max_prompts]
-        items = [i for i in items if conversation_id(eval_set.ids[i]) in set(kept)]
+        kept = set(list(dict.fromkeys(conversation_id(pid) for pid in eval_set.ids))[: cfg.max_prompts])
+        items = [i for i in items if conversation_id(eval_set.ids[i]) in kept]
     progress = Progress(len(items), "teacher-forced eval", "requests")
     for i in items:
         ids, mask, feats = eval_set[i]

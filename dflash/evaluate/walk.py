@@ -94,7 +94,6 @@ def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> l
         pos += tau
 
 
-
 def product_reach(record: dict) -> list[float]:
     """P(the first k drafts are all accepted) as prod_{j<=k} alpha_j, k = 1..S: slots taken as independent."""
     out, reach = [], 1.0
@@ -115,8 +114,8 @@ def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach
     `start`, given each record's reach(record)[k-1] = P(its first k drafts are all accepted).
 
     A block at anchor a with d = verify_depth drafts accepts exactly j of them with probability
-    reach_j - reach_{j+1} (reach_0 = 1; all d: reach_d) and commits min(j + 1, left) tokens; the next block is
-    at a + that. So E[a] = 1 + sum_j P_a(j) E[a + min(j + 1, left)], E = 0 once the completion is committed,
+    reach_j - reach_{j+1} (reach_0 = 1; all d: reach_d) and commits min(j + 1, span) tokens; the next block is
+    at a + that. So E[a] = 1 + sum_j P_a(j) E[a + min(j + 1, span)], E = 0 once the completion is committed,
     solved from the end back. The walk's expected tau is the tokens committed (the start record's `span`)
     over E[start]; with reach in {0, 1} (temperature -> 0) it is the greedy walk's.
     """
@@ -126,12 +125,12 @@ def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach
         if a not in by_anchor:
             raise KeyError(f"the expected walk needs a record at every anchor; {a} has none")
         record = by_anchor[a]
-        depth, left = verify_depth(record), span(record)
+        depth, rest = verify_depth(record), span(record)
         r = [1.0] + reach(record)[:depth]
         total = 1.0
         for j in range(depth + 1):
-            n = min(j + 1, left)
-            if n < left:
+            n = min(j + 1, rest)
+            if n < rest:
                 total += (r[j] - (r[j + 1] if j < depth else 0.0)) * expected[a + n]
         expected[a] = total
     return expected[start]
