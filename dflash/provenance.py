@@ -95,11 +95,13 @@ def features_manifest(target, layer_ids: list[int], storage: str, max_length: in
     }
 
 
-def generation_settings(target, completions, chat_template: bool, enable_thinking: bool) -> dict:
+def generation_settings(target, completions, chat_template: bool, enable_thinking: bool,
+                        template_kwargs: dict | None = None) -> dict:
     """What a stored completion depends on; a completions store made with other values is refused."""
     return {"target": target.fingerprint, "tokenizer": tokenizer_fingerprint(target.tokenizer),
             "max_new_tokens": completions.max_new_tokens, "chat_template": chat_template,
             "enable_thinking": enable_thinking, "stop": list(completions.stop),
+            **({"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}),
             **({"temperature": completions.temperature, "top_p": completions.top_p, "top_k": completions.top_k,
                 "seed": completions.seed} if completions.temperature > 0 else {})}
 

@@ -57,3 +57,15 @@ def tiny_targets(dflash_home):
 @pytest.fixture(params=["tiny_qwen3", "tiny_qwen3_5"])
 def tiny_target(request, tiny_targets):
     return tiny_targets[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_family_targets(dflash_home):
+    """The tiny targets of the other families, each loaded whole and heads only: {name: (whole, heads)}."""
+    from dflash.target import load_target
+
+    out = {}
+    for name in ("tiny_llama", "tiny_gemma", "tiny_gpt_oss", "tiny_qwen3_moe"):
+        cfg = compose("train", [f"target={name}"]).target
+        out[name] = (load_target(cfg, torch.device("cpu")), load_target(cfg, torch.device("cpu"), heads_only=True))
+    return out

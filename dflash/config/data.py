@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -85,6 +86,9 @@ class DataConfig:
     """Wrap prompts with the tokenizer's chat template."""
     enable_thinking: bool | None = False
     """Passed to the chat template (Qwen3 thinking mode); null = not passed (the template's own default)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Other switches of the target's chat template, passed as they are: e.g. {reasoning_effort: low} for
+    GPT-OSS (low, medium, high; its template's default is medium). Thinking is data.enable_thinking."""
     regenerate: str = "all_turns"
     """Which assistant turns of a multi-turn conversation the target regenerates: all_turns (each in turn, after
     the target's own earlier answers; each answer a training sequence of its own: the conversation so far as the
@@ -97,6 +101,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         one_of("data.format", self.format, {"auto", "jsonl", "parquet", "hf"})
         one_of("data.regenerate", self.regenerate, {"all_turns", "last_turn", "first_turn"})
+        if "enable_thinking" in self.chat_template_kwargs:
+            raise ConfigError("data.chat_template_kwargs.enable_thinking: set data.enable_thinking instead (it is "
+                              "recorded and compared as its own setting)")
         positive("data.limit", self.limit)
         positive("data.offset", self.offset, allow_zero=True)
         if self.max_length < 4:

@@ -9,6 +9,11 @@ from omegaconf import MISSING
 from dflash.config.checks import ConfigError, one_of, positive
 
 
+BUILDS = ("toy", "tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5", "tiny_qwen3_moe", "tiny_qwen3_5_moe", "tiny_llama",
+          "tiny_gemma", "tiny_gpt_oss")
+"""The built-in targets (dflash.target.builtin): the toy, and tiny random-weight ones of each supported family."""
+
+
 @dataclass
 class TargetConfig:
     """The frozen target LLM whose hidden states condition the drafter."""
@@ -18,7 +23,7 @@ class TargetConfig:
     path: str = MISSING
     """Hugging Face model id or local directory of the target."""
     build: str | None = None
-    """Built-in target recipe (tiny_qwen3, tiny_qwen3_sliding, tiny_qwen3_5, toy): built into `path` on first use."""
+    """Built-in target recipe (toy, or a tiny random-weight one of BUILDS): built into `path` on first use."""
     mask_token_id: int = MISSING
     """Token id fed at every masked block slot (an embedding row of the target)."""
     num_layers: int | None = None
@@ -40,7 +45,7 @@ class TargetConfig:
         one_of("target.dtype", self.dtype, {"float32", "bfloat16", "float16"})
         positive("target.num_layers", self.num_layers)
         if self.build is not None:
-            one_of("target.build", self.build, {"tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5", "toy"})
+            one_of("target.build", self.build, set(BUILDS))
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError(f"target.device={self.device!r}: use auto, cpu, cuda or cuda:N")
 

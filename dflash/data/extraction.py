@@ -88,7 +88,8 @@ def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
     prompts = training_prompts(data)
     return prepare_sequences(prompts, data.prompts, target, data.completions, completions_store(data, job.features),
                              dist, chat_template=data.chat_template, enable_thinking=data.enable_thinking,
-                             max_length=data.max_length, regenerate=data.regenerate)
+                             max_length=data.max_length, regenerate=data.regenerate,
+                             template_kwargs=data.chat_template_kwargs)
 
 
 def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:

@@ -204,14 +204,17 @@ def prompts_hash(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
-def prompt_text(tokenizer, prompt: Prompt | list[dict], chat_template: bool, enable_thinking: bool | None) -> str:
+def prompt_text(tokenizer, prompt: Prompt | list[dict], chat_template: bool, enable_thinking: bool | None,
+                template_kwargs: dict | None = None) -> str:
     """The exact text the target continues (chat template applied, generation prompt added): of the prompt's
-    first user turn, or of the given messages (turn_messages). enable_thinking None: the template's default."""
+    first user turn, or of the given messages (turn_messages). enable_thinking None: the template's default.
+    template_kwargs: the template's other switches (data.chat_template_kwargs, e.g. GPT-OSS's reasoning_effort)."""
     messages = prompt.messages if isinstance(prompt, Prompt) else prompt
     if not chat_template:
         return "\n\n".join(m["content"] for m in messages)
     thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **thinking)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **dict(template_kwargs or {}), **thinking)
 
 
 def encode(tokenizer, text: str) -> list[int]:

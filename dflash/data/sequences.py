@@ -52,7 +52,8 @@ class Prepared:
 
 def prepare_sequences(prompts: list[Prompt], source: str, target, completions: CompletionsConfig, store: Path,
                       dist: Dist, *, chat_template: bool, enable_thinking: bool | None,
-                      max_length: int | None, regenerate: str = "all_turns") -> Prepared:
+                      max_length: int | None, regenerate: str = "all_turns",
+                      template_kwargs: dict | None = None) -> Prepared:
     """Prompts -> chat text -> target completions -> token sequences with a response loss mask.
 
     `source` names the prompt set (for messages and the manifest); completions are read from or
@@ -66,13 +67,15 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     request), rendered by the chat template as serving renders them, then the target's answer, loss on that
     answer (ids <id>, <id>:turn2, ...: dflash.data.prompts.turn_id); last_turn, one sequence, the answer to the
     last user turn after the conversation's own earlier turns; first_turn, the first user turn alone.
+    template_kwargs: the chat template's other switches (data.chat_template_kwargs), recorded with the rest.
     """
+    template_kwargs = dict(template_kwargs or {})
     tok = target.tokenizer
     multi = any(p.user_turns > 1 for p in prompts)
     # a cached file is read as it is; the settings guard only stores that hf/server extend (and
     # fingerprinting a 250k-token tokenizer such as Qwen3.5's takes seconds)
     settings = ({} if completions.source == "cached"
-                else generation_settings(target, completions, chat_template, enable_thinking))
+                else generation_settings(target, completions, chat_template, enable_thinking, template_kwargs))
     eos_id = end_of_turn_id(tok) if tok else None
     skipped = {"prompt_too_long": 0, "no_completion": 0, "completion_too_short": 0}
     answers: dict[str, list[str]] = {p.id: [] for p in prompts}  # the target's answers so far (all_turns)
@@ -83,7 +86,7 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
         items = []
         for p in todo:
             messages = turn_messages(p, turn, answers[p.id] if regenerate == "all_turns" else None)
-            text = prompt_text(tok, messages, chat_template, enable_thinking)
+            text = prompt_text(tok, messages, chat_template, enable_thinking, template_kwargs)
             items.append((p, turn_id(p.id, turn), text, encode(tok, text)))
         fits = [it for it in items if max_length is None or len(it[3]) + 2 <= max_length]
         skipped["prompt_too_long"] += len(items) - len(fits)
@@ -117,7 +120,8 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
             "skipped": skipped, "completions_retokenized": retokenized, "chat_template": chat_template,
-            "enable_thinking": enable_thinking, **({"regenerate": regenerate} if multi else {})}
+            "enable_thinking": enable_thinking, "chat_template_kwargs": template_kwargs,
+            **({"regenerate": regenerate} if multi else {})}
     return Prepared(sequences, info)
 
 

@@ -310,6 +310,8 @@ def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBl
                  backend: str = "sdpa", model=None, num_blocks: int | None = None) -> torch.Tensor:
     """Drafter hidden states for every packed block: [b, n, B, H].
 
+    Block tokens are rows of the target's table `embed_tokens.weight` with the target's embedding scale
+    (`drafter.scales`, as servers embed them: the table, not the target's embedding module).
     features: [b, L, n_layers * H] (already noised if noise is on). model: what to call
     (a DDP/compiled wrapper of `drafter`); defaults to the drafter itself. With backend=flex the
     forward runs on shapes padded by `flex_padded_shape` (num_blocks: the usual block count, e.g.
@@ -321,7 +323,7 @@ def draft_packed(drafter, embed_tokens, features: torch.Tensor, blocks: PackedBl
         if (ctx_len, n_padded) != (blocks.ctx_len, n):
             blocks, features = pad_packed(blocks, features, ctx_len, n_padded, drafter.mask_token_id)
     masks = packed_attention_masks(blocks, drafter.attention_rules, None, backend)
-    noise = embed_tokens(blocks.input_ids).to(features.dtype)
+    noise = drafter.scales.embed(embed_tokens.weight, blocks.input_ids).to(features.dtype)
     hidden = (drafter if model is None else model)(noise, features, blocks.position_ids, attention_mask=masks)
     return hidden.view(b, -1, blocks.block_size, hidden.shape[-1])[:, :n]
 
@@ -339,4 +341,5 @@ def draft_block(drafter, embed_tokens, features: torch.Tensor, anchor_token: tor
     tokens[:, 0] = anchor_token
     start = anchor - c
     positions = torch.arange(start, anchor + size, device=features.device).expand(b, -1)
-    return drafter(embed_tokens(tokens).to(features.dtype), features, positions, cache=cache)
+    noise = drafter.scales.embed(embed_tokens.weight, tokens).to(features.dtype)
+    return drafter(noise, features, positions, cache=cache)

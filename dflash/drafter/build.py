@@ -5,14 +5,15 @@ from __future__ import annotations
 import inspect
 import logging
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter import dflash2
-from dflash.drafter.model import SLIDING_RULE, DFlash2DraftModel, DFlashDraftModel, drafter_config, is_dflash2
+from dflash.drafter.model import (SCALE_KEYS, SLIDING_RULE, DFlash2DraftModel, DFlashDraftModel, Scales,
+                                  drafter_config, is_dflash2)
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout
@@ -43,10 +44,15 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
         sliding_window=cfg.sliding_window, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
         intermediate_size=cfg.intermediate_size, dflash2=cfg.dflash2_keys(),
-        sliding_causal=cfg.resolved_sliding_causal())
+        sliding_causal=cfg.resolved_sliding_causal(), scales=_scales(target))
     drafter = drafter_class(config)(config).float()
     check_fits(drafter, target, source="the drafter config")
     return drafter
+
+
+def _scales(target) -> Scales:
+    """The target's Scales (dflash.target.scales; the identity for a stand-in without them)."""
+    return Scales(**getattr(target, "scales", None) or {})
 
 
 def drafter_class(config) -> type[DFlashDraftModel]:
@@ -66,7 +72,9 @@ def load_drafter(path: str) -> DFlashDraftModel:
         raise NotFoundError(f"drafter directory {path} is missing {', '.join(missing)}; it is not a "
                                 f"complete drafter in z-lab layout (config.json + model.safetensors)")
     try:
-        drafter = drafter_class(PretrainedConfig.from_json_file(str(root / "config.json"))).from_pretrained(str(root))
+        # the class from the plain JSON: a generic PretrainedConfig would validate rope scaling (yarn, llama3)
+        # against keys only the drafter's Qwen3Config has
+        drafter = drafter_class(SimpleNamespace(**read_json(root / "config.json"))).from_pretrained(str(root))
     except ValueError as e:  # the strict load names the weights that do not match config.json; config checks
         raise CheckpointError(str(e) if str(root) in str(e) else f"{root}/config.json: {e}") from e
     except Exception as e:  # safetensors and json errors name neither the file nor the drafter
@@ -126,6 +134,14 @@ def check_fits(drafter: DFlashDraftModel, target: Target, source: str = "the dra
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         raise ConfigError(f"{source} uses mask token {drafter.mask_token_id}, outside the target's "
                           f"vocabulary of {target.vocab_size}")
+    theirs = _scales(target)
+    for key in SCALE_KEYS:
+        if getattr(drafter.scales, key) != getattr(theirs, key):
+            # a drafter's scales are part of how it was trained (published Gemma 4 drafters embed unscaled rows
+            # and cap at 30): it is evaluated and served with its own, as its config.json states them
+            log.warning("%s has %s=%s, the target %s %s: it runs with its own value, as servers read it from its "
+                        "config.json (a drafter built by dflash copies the target's)", source, key,
+                        getattr(drafter.scales, key), target.path, getattr(theirs, key))
     if getattr(c, "num_target_layers", target.num_layers) != target.num_layers:
         log.warning("%s was built for a %s-layer target; this target has %d layers", source,
                     c.num_target_layers, target.num_layers)

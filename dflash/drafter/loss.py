@@ -57,8 +57,15 @@ def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: to
     return F.cross_entropy(scores, gold, reduction="none"), cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
 
 
-def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None):
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
+    """float32 logits [N, V] of hidden [N, H] through the target head `weight` [V, H], with the target's output
+    multiplier and softcap (`scales`: the drafter's Scales; None = none)."""
     logits = F.linear(hidden, weight).float()
+    return logits if scales is None else scales.finish(logits)
+
+
+def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, *, scales=None):
+    logits = head_logits(hidden, weight, scales)
     ce = F.cross_entropy(logits, labels, reduction="none")
     if selector is None:
         return (ce * row_weight).sum(), logits.argmax(-1)
@@ -68,8 +75,8 @@ def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 row_weight: torch.Tensor, chunk_logits: int = 0, selector=None, prev: torch.Tensor | None = None,
-                sel_weight: torch.Tensor | None = None) -> tuple:
-    """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions.
+                sel_weight: torch.Tensor | None = None, scales=None) -> tuple:
+    """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions (logits: `head_logits`).
 
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
     logits are made chunk by chunk of rows and recomputed in backward (activation
@@ -80,14 +87,15 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     extra = () if selector is None else (selector,)
     if hidden.shape[0] <= chunk_rows:
-        return _chunk_ce(hidden, lm_head_weight, labels, row_weight, *extra, prev, sel_weight)
+        return _chunk_ce(hidden, lm_head_weight, labels, row_weight, *extra, prev, sel_weight, scales=scales)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
     # split, not per-chunk slices: a slice's backward writes a zero gradient the size of all of `hidden`
     for h, y, w, a, sw in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows),
                               split(prev), split(sel_weight)):
-        parts.append(checkpoint(_chunk_ce, h, lm_head_weight, y, w, *extra, a, sw, use_reentrant=False))
+        parts.append(checkpoint(_chunk_ce, h, lm_head_weight, y, w, *extra, a, sw, scales=scales,
+                                use_reentrant=False))
     return tuple(torch.stack(p).sum() if p[0].dim() == 0 else torch.cat(p) for p in zip(*parts))
 
 
@@ -136,7 +144,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
                 label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None, *,
                 weighting: str = "decay", alpha: float = 0.5, target_logits: torch.Tensor | None = None,
                 target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                selector=None, objective: str | None = None, temperature: float = 1.0) -> LossTerms:
+                selector=None, objective: str | None = None, temperature: float = 1.0, scales=None) -> LossTerms:
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -161,6 +169,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     temperature: T > 0 of the acceptance objectives' distributions softmax(logits / T) (1 for ce and kl).
     selector: a DFlash 2 CandidateSelector: its CE (`selector_ce`, predecessor = the previous slot's label, the
     anchor token at slot 1) from the same logits, weighted by the decay weights exp(-(k-1)/gamma).
+    scales: the drafter's Scales (its target's output multiplier and softcap on every logit; `head_logits`).
     """
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     rows = label_rows(label_mask) if rows is None else rows
@@ -172,7 +181,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
         sel = {"selector": selector, "prev": torch.roll(labels, 1, -1).reshape(-1)[rows]}
     if weighting == "decay" and objective == "ce":  # the paper's loss, unchanged
         out = weighted_ce(flat_h, lm_head_weight, flat_y, decay[rows], chunk_logits,
-                          **({**sel, "sel_weight": decay[rows]} if sel else {}))
+                          **({**sel, "sel_weight": decay[rows]} if sel else {}), scales=scales)
         terms = LossTerms(out[0], decay.sum(), _scatter_predictions(labels, rows, out[1]))
         if sel:
             terms.selector_sum, terms.selector_weight_sum = out[2], terms.weight_sum
@@ -183,7 +192,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     if objective == "expected_tau" and weighting != "decay":
         raise ValueError(f"weighting={weighting}: objective=expected_tau has no slot weights (leave it at decay)")
     out = row_losses(flat_h, lm_head_weight, flat_y, chunk_logits, target_logits, target_topk, **sel,
-                     objective=objective, temperature=temperature)
+                     objective=objective, temperature=temperature, scales=scales)
     row_loss, ce, pred = out[:3]
     if objective == "expected_tau":  # row_loss holds each row's alpha; unlabelled slots' stay 0
         rates = torch.zeros(labels.numel(), dtype=row_loss.dtype, device=hidden.device).index_put((rows,), row_loss)
@@ -281,8 +290,8 @@ def log_acceptance_topk(logits: torch.Tensor, top_logprobs: torch.Tensor, top_id
 
 
 def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_ids=None, top_rest=None,
-                selector=None, prev=None, objective="ce", temperature=1.0):
-    logits = F.linear(hidden, weight).float()
+                selector=None, prev=None, objective="ce", temperature=1.0, *, scales=None):
+    logits = head_logits(hidden, weight, scales)
     sel = () if selector is None else selector_ce(selector, hidden, logits, labels, prev)
     logq = F.log_softmax(logits, dim=-1)
     ce = -logq.gather(-1, labels[:, None]).squeeze(-1)
@@ -313,7 +322,8 @@ def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_id
 
 def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_logits: int = 0,
                target_logits: torch.Tensor | None = None, target_topk: tuple | None = None, selector=None,
-               prev: torch.Tensor | None = None, *, objective: str | None = None, temperature: float = 1.0):
+               prev: torch.Tensor | None = None, *, objective: str | None = None, temperature: float = 1.0,
+               scales=None):
     """Per-row losses of hidden [N, H]: (row_loss [N], ce [N], predictions [N]); row_loss is ce, or with
     target_logits [N, V] KL(softmax(target) || softmax(drafter)), or with target_topk (block_loss) the
     top-k KL; objective (block_terms') tv: 1 - alpha, nla: -log alpha, expected_tau: alpha itself (the
@@ -325,14 +335,14 @@ def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     top = tuple(target_topk) if target_topk is not None else (None, None, None)
     if hidden.shape[0] <= chunk_rows:
         return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top, selector, prev, objective,
-                           temperature)
+                           temperature, scales=scales)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
     for h, y, t, a, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
                                split(prev), *(split(t) for t in top)):
         parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, selector, a, objective, temperature,
-                                use_reentrant=False))
+                                scales=scales, use_reentrant=False))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 

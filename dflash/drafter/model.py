@@ -306,6 +306,47 @@ def dflash_value(config, name: str, default=None):
     return dflash[name] if name in dflash else getattr(config, name, default)
 
 
+SCALE_KEYS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+"""The keys (dflash_config first, then the top level, as the servers and the z-lab reference read them) that say
+how the target scales what the drafter borrows from it: its embeddings in, its logits out (`Scales`)."""
+
+
+class Scales(NamedTuple):
+    """How the drafter uses the target's embedding table and head, as the target itself does (Gemma scales its
+    embeddings by sqrt(hidden) and caps its logits; Granite and Cohere scale theirs): block tokens are
+    `embedding[ids] * input_embedding_scale`; logits are `head(h) * output_multiplier`, then, with a softcap c,
+    `c * tanh(logits / c)` (the order of the z-lab reference's compute_logits). The identity for Qwen and Llama."""
+
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[.., H] rows of the target's embedding table `weight` [V, H] for `ids`, scaled as the target scales them."""
+        rows = F.embedding(ids, weight)
+        return rows if self.input_embedding_scale == 1.0 else rows * self.input_embedding_scale
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits from the target head's raw output `logits` [.., V]."""
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        cap = self.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def keys(self) -> dict:
+        """The entries an export writes for the servers, in dflash_config and at the top level (readers take one
+        or the other): those that are not the identity."""
+        return {k: v for k, v in self._asdict().items() if v != Scales._field_defaults[k]}
+
+
+def scales_of(config) -> Scales:
+    """A drafter config's Scales (a softcap of null or <= 0 is none, as the reference reads it)."""
+    cap = dflash_value(config, "final_logit_softcapping")
+    return Scales(float(dflash_value(config, "input_embedding_scale", 1.0) or 1.0),
+                  float(dflash_value(config, "output_multiplier", 1.0) or 1.0),
+                  float(cap) if cap is not None and float(cap) > 0 else None)
+
+
 def is_dflash2(config) -> bool:
     """A DFlash 2 config: its architecture says so, or it carries the convolution and selector keys."""
     return "DFlash2DraftModel" in (getattr(config, "architectures", None) or []) or all(
@@ -337,6 +378,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.target_layer_ids = list(dflash["target_layer_ids"])
         self.mask_token_id = int(dflash["mask_token_id"])
         self.block_size = block_size_of(config)
+        self.scales = scales_of(config)
         if is_dflash2(config):
             missing = [k for k in DFLASH2_KEYS if dflash_value(config, k) is None]
             if missing:
@@ -425,7 +467,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     ) -> torch.Tensor:
         """Draft hidden states for one or many blocks.
 
-        noise_embedding: [b, q, H] target embeddings of the block tokens [x_p, M, ..., M].
+        noise_embedding: [b, q, H] target embeddings of the block tokens [x_p, M, ..., M]
+            (`self.scales.embed(embed_tokens.weight, ids)`).
         target_hidden: [b, c, n_layers * H] features of the context positions (with a cache:
             only the positions not yet cached).
         position_ids: [b, c + q] positions of those context positions, then of the block.
@@ -433,7 +476,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             anchor; each layer's AttentionRule applied), a bool [b, 1, q, keys] tensor, a flex BlockMask, or
             a dict of either per AttentionRule (dflash.drafter.blocks.packed_attention_masks) for packed training.
         cache: context keys/values from earlier calls, extended in place.
-        Returns the final-normed hidden states [b, q, H]; apply the target's lm_head for logits.
+        Returns the final-normed hidden states [b, q, H]: logits are `self.scales.finish(lm_head(h))`.
         """
         context = self.project_context(target_hidden)
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
@@ -473,6 +516,35 @@ DFlashDrafter = DFlashDraftModel
 """The one public alias (README's `dflash.model.DFlashDrafter`); dflash itself says DFlashDraftModel."""
 
 
+def base_value(config, name: str, default=None):
+    """config.<name>, or where transformers keeps per-layer values of it (Gemma 4's full-attention layers have
+    their own head width and key/value heads, and reading the global one raises) the value the other layers
+    share, which is what config.json states at the top level."""
+    try:
+        return getattr(config, name, default)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(name, default)
+
+
+SCALED_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")
+"""Rope types whose scaling a drafter copies from its target (what its positions mean at long context)."""
+
+
+def drafter_rope(target_config) -> dict:
+    """The drafter's rope: the target's theta, and its scaling where it has one (Llama 3.1's llama3, GPT-OSS's
+    yarn; the published gpt-oss drafters carry the target's yarn). Not its partial rotary factor or multimodal
+    sections (Qwen3.5's drafters rotate whole heads). Gemma 4 keeps a rope per layer type: its full-attention
+    layers' theta (1e6, the published Gemma 4 drafters')."""
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type
+        rope = dict(rope["full_attention"])
+    theta = float(rope.get("rope_theta") or getattr(target_config, "rope_theta", None) or 1_000_000.0)
+    if rope.get("rope_type") not in SCALED_ROPE:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {k: v for k, v in {**rope, "rope_theta": theta}.items()
+            if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")}
+
+
 def drafter_config(
     target_config,
     *,
@@ -488,6 +560,7 @@ def drafter_config(
     intermediate_size: int | None = None,
     dflash2: dict | None = None,
     sliding_causal: bool = True,
+    scales: Scales = Scales(),
 ) -> Qwen3Config:
     """A z-lab drafter config sized after a target's text config (any Qwen-style model).
 
@@ -495,31 +568,32 @@ def drafter_config(
     (architectures DFlash2DraftModel, those keys and block_size in dflash_config, as published).
     sliding_causal: whether sliding_attention layers are causal inside the block (full_attention layers never
     are). The attention keys every server reads (is_causal, dflash_config.causal/use_swa/swa_window_size) are
-    written explicitly (`attention_keys`)."""
-    rope_theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta") or getattr(
-        target_config, "rope_theta", 1_000_000.0)
-    heads = num_attention_heads or target_config.num_attention_heads
+    written explicitly (`attention_keys`). scales: the target's (dflash.target.scales), written into dflash_config
+    where they are not the identity."""
+    base = lambda name, default=None: base_value(target_config, name, default)  # noqa: E731
+    heads = num_attention_heads or base("num_attention_heads")
     types = list(layer_types) if layer_types else ["full_attention"] * num_layers
     dflash = {"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)}
     if dflash2:
         dflash.update({k: int(dflash2[k]) for k in DFLASH2_KEYS}, block_size=int(block_size))
     rules = [AttentionRule(sliding_causal, sliding_window) if t == "sliding_attention" else FULL for t in types]
     keys = attention_keys(rules)
-    dflash.update(keys.pop("dflash_config"))
+    dflash.update(keys.pop("dflash_config"), **scales.keys())
     return Qwen3Config(
         architectures=["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
-        intermediate_size=intermediate_size or target_config.intermediate_size,
+        # a target with no dense MLP (Qwen3.5/3.6 MoE): 3 x hidden, the published Qwen3.6-35B-A3B drafter's width
+        intermediate_size=intermediate_size or base("intermediate_size") or 3 * target_config.hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=num_key_value_heads or target_config.num_key_value_heads,
-        head_dim=head_dim or getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        num_key_value_heads=num_key_value_heads or base("num_key_value_heads"),
+        head_dim=head_dim or base("head_dim") or target_config.hidden_size // heads,
         hidden_act=getattr(target_config, "hidden_act", "silu"),
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        attention_bias=False,
+        rope_parameters=drafter_rope(target_config),
+        attention_bias=bool(getattr(target_config, "attention_bias", False)),
         tie_word_embeddings=False,
         use_sliding_window="sliding_attention" in types,
         sliding_window=sliding_window,
@@ -529,5 +603,6 @@ def drafter_config(
         num_target_layers=target_config.num_hidden_layers,
         dflash_config=dflash,
         **keys,
+        **scales.keys(),
         **({"dflash_sliding_attention": SLIDING_RULE} if "sliding_attention" in types else {}),
     )

@@ -51,6 +51,7 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
             **({"completions_batch_size": batch} if batch > 1 else {}),
             **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}),
+            **({"chat_template_kwargs": dict(job.data.chat_template_kwargs)} if job.data.chat_template_kwargs else {}),
             # conversations: which turns are items (one-turn sets keep their keys)
             **({"turns": job.eval.turns} if any(p.user_turns > 1 for p in prompts) else {}), **sampling_key(job.eval)}
 
@@ -99,7 +100,8 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
                           seed=job.eval.seed)
     prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
                                  chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
-                                 max_length=None, regenerate="all_turns" if job.eval.turns == "all" else "first_turn")
+                                 max_length=None, regenerate="all_turns" if job.eval.turns == "all" else "first_turn",
+                                 template_kwargs=job.data.chat_template_kwargs)
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,

@@ -85,7 +85,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         for turn in range(turns[n]):
             rid = turn_id(prompt.id, turn)
             text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), data.chat_template,
-                               data.enable_thinking)
+                               data.enable_thinking, data.chat_template_kwargs)
             ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn

@@ -45,6 +45,81 @@ def tiny_qwen3_5_config(vocab_size: int):
     )
 
 
+def tiny_qwen3_moe_config(vocab_size: int):
+    """Qwen3-MoE (as Qwen3-Coder-30B-A3B): every MLP a mixture of 4 experts, top-2 routed, the top-k weights
+    renormalised (norm_topk_prob, as the 30B-A3B models set it)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen3_5_moe_config(vocab_size: int):
+    """Qwen3.5/3.6 MoE (as Qwen3.6-35B-A3B): the hybrid layout of tiny_qwen3_5, every MLP 4 experts top-2 and a
+    shared expert."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_llama_config(vocab_size: int):
+    """Llama 3.1: no q/k norms, llama3 rope scaling (factor 8 over 8192 original positions), as Llama-3.1-8B."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+
+
+def tiny_gemma_config(vocab_size: int):
+    """Gemma 4 (as gemma-4-31B-it): embeddings scaled by sqrt(hidden) (8 here), tied head, logits soft-capped,
+    5 sliding-window layers (window 8) to 1 full one with its own head width and keys shared as values
+    (attention_k_eq_v), no per-layer embeddings. The cap is 1.0 (31B: 30.0) so that it bends this random
+    model's logits, which stay within about +-1."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=1.0, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=vocab_size, max_position_embeddings=4096, tie_word_embeddings=True,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention", "full_attention"],
+    )
+
+
+def tiny_gpt_oss_config(vocab_size: int):
+    """GPT-OSS: 4 experts top-2 in every layer, a learned attention sink per head, sliding-window layers (window
+    8) alternating with full ones, yarn rope, biased attention projections."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+TINY = {"tiny_qwen3": (tiny_qwen3_config, "qwen"), "tiny_qwen3_sliding": (tiny_qwen3_sliding_config, "qwen"),
+        "tiny_qwen3_5": (tiny_qwen3_5_config, "qwen"), "tiny_qwen3_moe": (tiny_qwen3_moe_config, "qwen"),
+        "tiny_qwen3_5_moe": (tiny_qwen3_5_moe_config, "qwen"),
+        "tiny_llama": (tiny_llama_config, "llama3"), "tiny_gemma": (tiny_gemma_config, "gemma4"),
+        "tiny_gpt_oss": (tiny_gpt_oss_config, "harmony")}
+"""The tiny random-weight targets: (config builder, chat family of dflash.target.tokenizer.FAMILIES)."""
+
+
 INSTALL_MARK = ".dflash-install"  # in a built-in target's folder: dflash wrote it, and may replace it
 
 
@@ -74,7 +149,7 @@ def is_current(name: str, dest: Path) -> bool:
 
 
 def build(name: str, dest: Path) -> None:
-    """Write target `name` (tiny_qwen3, tiny_qwen3_sliding, tiny_qwen3_5, toy) into the empty directory `dest`."""
+    """Write target `name` (toy, or one of TINY) into the empty directory `dest`."""
     if name == "toy":
         from dflash.errors import NotFoundError
         from dflash.target.toy import SHIPPED, install_shipped
@@ -87,16 +162,18 @@ def build(name: str, dest: Path) -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    from dflash.target.tokenizer import build_tokenizer
+    from dflash.target.tokenizer import FAMILIES, build_tokenizer
 
-    tokenizer = build_tokenizer()
-    config = {"tiny_qwen3": tiny_qwen3_config, "tiny_qwen3_sliding": tiny_qwen3_sliding_config,
-              "tiny_qwen3_5": tiny_qwen3_5_config}[name](len(tokenizer))
+    make_config, family = TINY[name]
+    tokenizer = build_tokenizer(family=family)
+    config = make_config(len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(TINY_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    stops = FAMILIES[family].stops  # Qwen's: the tokenizer's eos alone, as the tiny Qwen targets always had
+    model.generation_config.eos_token_id = (tokenizer.convert_tokens_to_ids(list(stops)) if stops
+                                            else tokenizer.eos_token_id)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from dflash.errors import NotFoundError
@@ -50,6 +51,26 @@ def kernel_report(model: nn.Module, layer_types: list[str]) -> dict:
                 report[key] = package if getattr(impl, "__module__", "").startswith(package) else "torch_fallback"
     if "sliding_attention" in layer_types:
         report["sliding_attention"] = report["full_attention"]
+    report.update(_moe_and_sinks(model))
+    return report
+
+
+def _moe_and_sinks(model: nn.Module) -> dict:
+    """The parts of a mixture-of-experts or attention-sink target that change its hidden states: `moe`, how
+    tokens are routed (experts per token of how many, top-k weights renormalised or not; transformers drops
+    no token for capacity) and which experts implementation runs them (eager, grouped_mm, batched_mm: their
+    sums differ in bf16); `attention_sinks`, learned per-head sink logits (GPT-OSS). Absent for other targets."""
+    config, report = model.config.get_text_config(), {}
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts") if getattr(config, k, None)),
+                   None)
+    if experts:
+        top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None)
+        norm = getattr(config, "norm_topk_prob", None)
+        impl = getattr(model.config, "_experts_implementation", None) or "eager"
+        report["moe"] = f"top{top_k}of{experts}" + ("" if norm is None else f",norm_topk={str(bool(norm)).lower()}")
+        report["moe"] += f",experts={impl}"
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        report["attention_sinks"] = "learned"
     return report
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
+from dflash.target.scales import IDENTITY, target_scales
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class Target:
     """Which kernels each layer type runs: see `kernel_report`."""
     fingerprint: str = ""
     """`weights_fingerprint` of the checkpoint files."""
+    scales: dict = field(default_factory=lambda: dict(IDENTITY))
+    """How it scales its embeddings in and its logits out (dflash.target.scales): what the drafter copies."""
 
     @property
     def num_layers(self) -> int:
@@ -86,7 +89,11 @@ class Target:
         return "sequence" if not self.is_hybrid and impl in (None, "sdpa", "eager") else "paths"
 
     def stop_token_ids(self) -> list[int]:
+        """The tokenizer's end of turn, Qwen's, and every eos token of the model's generation config (Llama 3.1
+        stops at <|eot_id|> and <|end_of_text|>, GPT-OSS at <|return|>, <|call|> and <|endoftext|>)."""
         ids = {self.tokenizer.eos_token_id}
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         for tok in ("<|im_end|>", "<|endoftext|>"):
             tid = self.tokenizer.convert_tokens_to_ids(tok)
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
@@ -212,19 +219,21 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     if heads_only and model_dir is not None:
         model, layers, norm = None, None, None
         embed, head = _load_heads(model_dir, text_config, dtype, device)
-        kernels = {}
+        kernels, scales = {}, target_scales(text_config)
     else:
         model = _load_model(path, cfg, dtype, common, device).requires_grad_(False).eval()
         layers = _find_layers(model, text_config.num_hidden_layers)
         norm = _find_final_norm(model, layers)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         kernels = kernel_report(model, list(getattr(text_config, "layer_types", None) or []))
+        scales = target_scales(text_config, embed)
     if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
         raise ConfigError(f"target.mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
                           f"[0, {embed.weight.shape[0]}); set the id of the mask token of {cfg.name}")
     target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
                     embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
-                    kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown")
+                    kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown",
+                    scales=scales)
     if (device.type == "cuda" and target.is_hybrid and model is not None
             and target.kernels.get("linear_attention") != "fla" and not cfg.allow_fallback_kernels):
         raise TargetError(
@@ -247,7 +256,7 @@ def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target
                   lm_head=model.get_output_embeddings(), mask_token_id=-1 if mask_token_id is None else mask_token_id,
                   path=getattr(model, "name_or_path", ""),
                   kernels=kernel_report(model, list(getattr(text_config, "layer_types", None) or [])),
-                  fingerprint="unknown")
+                  fingerprint="unknown", scales=target_scales(text_config, model.get_input_embeddings()))
 
 
 def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:

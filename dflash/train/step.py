@@ -153,7 +153,8 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                 if soft:
                     options.update(soft_targets(batch, logits, blocks, rows, dev, cfg.objective))
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
-                                    job.loss.chunk_logits, rows=rows, selector=selector, **options)
+                                    job.loss.chunk_logits, rows=rows, selector=selector, scales=m.drafter.scales,
+                                    **options)
                 loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0
             acc.backward(loss_sum * scale + (selector_sum * selector_scale if selector is not None else 0.0))
         if dpace_by_weights:
