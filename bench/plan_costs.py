@@ -11,7 +11,8 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   training reads only embed_tokens and lm_head; extraction loads the target as online training does.
 - GPU-hours: the drafter's model FLOPs of a sequence as bench/flops.py's `train_flops` counts them (what its
   MFU is measured against), plus, with gradient checkpointing, the layers' forward again; the target's
-  forward is 2 FLOPs per non-embedding parameter per token (attention's share is ignored: ~1%), once per
+  forward is 2 FLOPs per non-embedding parameter per token (of a MoE target, the parameters a token runs through:
+  all but the experts it is not routed to; attention's share is ignored: ~1%), once per
   sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: the median
   of the newest GPU result in bench/results/ with an MFU, else ASSUMED_MFU. Generating the completions
   (the same in both modes) is not counted.
@@ -126,7 +127,8 @@ def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int, checkpointi
         rest = train_flops(SimpleNamespace(config=drafter.config, block_size=drafter.block_size, fc=drafter.fc,
                                            layers=(), layer_types=()), blocks)
         drafter_flops += (drafter_flops - rest["matmul"] - rest["attention"]) / 3
-    return {"drafter": drafter_flops, "target": 2 * (s.target_params - s.heads_params) * tokens}
+    active = s.target_active_params or s.target_params  # MoE: the experts a token is routed to
+    return {"drafter": drafter_flops, "target": 2 * (active - s.heads_params) * tokens}
 
 
 def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:

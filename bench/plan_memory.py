@@ -60,7 +60,8 @@ class Shape:
     tied: bool = False  # the target ties embed_tokens and lm_head (one frozen matrix)
     target_params: int = 0  # the whole causal LM (tied weights once): what online training keeps on the GPU
     layer_types: tuple[str, ...] = ("full_attention",)  # distinct drafter layer types: one attention mask each
-    target_intermediate: int = 0  # the target's MLP width: its forward's working set (online)
+    target_intermediate: int = 0  # the target's MLP width a token runs through (MoE: its experts'): forward working set
+    target_active_params: int = 0  # of target_params, what a token runs through (MoE: its top-k experts); 0 = all
     target_largest: tuple[int, ...] = ()  # elements of the target's largest tensors, largest first (loading)
     dflash2: bool = False  # DFlash 2: two grouped dynamic convolutions per layer (their weights are in params)
     selector_rank: int = 0  # DFlash 2's selector: codebooks [vocab, rank] (in params, FSDP's root unit)

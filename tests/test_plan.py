@@ -285,3 +285,78 @@ def test_fsdp_estimate_matches_a_measured_two_process_step(tmp_path, precision):
         print(f"{precision}, rank {rank}: measured {got['peak'] / 2**20:.2f} MiB, estimate "
               f"{estimate / 2**20:.2f} MiB ({phase}), ratio {estimate / got['peak']:.3f}")
         assert abs(estimate / got["peak"] - 1) < 0.15
+
+
+# The presets of the real targets with public z-lab drafters: (target layers, hidden, vocab, tied, drafter layers,
+# block, heads, kv heads, head_dim, MLP, sliding layers, window, the published target_layer_ids).
+PUBLISHED = {
+    "llama3_1_8b_instruct": (32, 4096, 128256, False, 5, 10, 32, 8, 128, 12288, 0, None, [1, 8, 15, 22, 29]),
+    "gemma4_31b_it": (60, 5376, 262144, True, 5, 16, 64, 8, 128, 10752, 4, 2048, [1, 12, 23, 35, 46, 57]),
+    "gemma4_26b_a4b_it": (30, 2816, 262144, True, 5, 16, 32, 8, 128, 5632, 4, 2048, [1, 6, 11, 17, 22, 27]),
+    "gpt_oss_20b": (24, 2880, 201088, False, 8, 8, 64, 8, 64, 7680, 0, None, [1, 6, 11, 16, 21]),
+    "gpt_oss_120b": (36, 2880, 201088, False, 8, 10, 64, 8, 64, 7680, 0, None, [1, 9, 17, 25, 33]),
+    "qwen3_coder_30b_a3b": (48, 2048, 151936, False, 8, 16, 32, 4, 128, 6144, 0, None, [1, 12, 23, 34, 45]),
+    "qwen3_6_35b_a3b": (40, 2048, 248320, False, 6, 16, 32, 8, 128, 6144, 5, 4096, [1, 6, 11, 16, 22, 27, 32, 37]),
+}
+# parameters of the text model on meta (billions, as the hub's cards give them: 8B, 31B, 26B, 21B, 117B, 30.5B, 35B)
+# and of those, what one token runs through
+TARGET_PARAMS = {"llama3_1_8b_instruct": (8.03, 8.03), "gemma4_31b_it": (30.70, 30.70),
+                 "gemma4_26b_a4b_it": (25.23, 3.82), "gpt_oss_20b": (20.91, 4.19), "gpt_oss_120b": (116.83, 5.71),
+                 "qwen3_coder_30b_a3b": (30.53, 3.35), "qwen3_6_35b_a3b": (34.66, 3.45)}
+
+
+@pytest.mark.parametrize("experiment", list(PUBLISHED))
+def test_plan_of_the_published_drafters_targets(experiment):
+    """Each preset composes, builds its target and drafter on the meta device from bench.plan's TARGETS (no
+    download) at the published drafter's shape, and gets a plan whose configured set-up fits 80 GB GPUs
+    (tests/test_plan_costs.py checks that it is the plan's recommendation and that the preset quotes it)."""
+    T, H, V, tied, layers, block, heads, kv, hd, mlp, sliding, window, ids = PUBLISHED[experiment]
+    job = plan.compose([f"experiment={experiment}"])
+    assert job["target"].num_layers == T and plan.target_config(job["target"]).num_hidden_layers == T
+    drafter, shape, setup = plan.build(job, world=8)
+    assert all(p.device.type == "meta" for p in drafter.parameters())
+    assert drafter.target_layer_ids == ids and drafter.block_size == block
+    assert drafter.layer_types.count("sliding_attention") == sliding and drafter.config.sliding_window == window
+    assert drafter.mask_token_id == job["target"].mask_token_id < V
+    assert (shape.hidden, shape.vocab, shape.tied, shape.layers, shape.heads, shape.kv_heads, shape.head_dim,
+            shape.intermediate, shape.target_layers) == (H, V, tied, layers, heads, kv, hd, mlp, len(ids))
+    attention = H * heads * hd * 2 + H * kv * hd * 2 + 2 * hd  # q, o; k, v; q_norm, k_norm
+    # the GPT-OSS drafters have biased attention projections, copied from their target (published: true)
+    assert drafter.config.attention_bias is experiment.startswith("gpt_oss")
+    bias = heads * hd + 2 * kv * hd + H if drafter.config.attention_bias else 0
+    assert shape.layer_params == attention + bias + 3 * H * mlp + 2 * H
+    assert shape.params == layers * shape.layer_params + len(ids) * H * H + 2 * H  # + fc, hidden_norm, norm
+    total, active = TARGET_PARAMS[experiment]
+    assert (round(shape.target_params / 1e9, 2), round(shape.target_active_params / 1e9, 2)) == (total, active)
+    out = plan.make_plan(shape, setup, [80, 141])
+    configured = out["peak"]["checkpointing" if setup.checkpointing else "no checkpointing"]["gib"]
+    assert configured <= 80  # the 31B at 384 anchors: at 512 nothing online fits 80 GB
+    assert setup.num_anchors == (384 if experiment == "gemma4_31b_it" else 512)
+    assert setup.online == (experiment != "gpt_oss_120b")  # 117B parameters fit no GPU: offline
+
+
+def test_moe_targets_count_the_experts_a_token_runs_through():
+    """The target forward's working set and FLOPs follow the experts a token is routed to: top_k x the expert width
+    (+ a shared expert, + Gemma 4's dense MLP beside its experts), and the parameters but the other experts'."""
+    from transformers import GptOssConfig, LlamaConfig
+
+    widths = {name: plan.active_intermediate(plan.target_config(plan.compose([f"experiment={name}"])["target"]))
+              for name in ("llama3_1_8b_instruct", "gemma4_26b_a4b_it", "gpt_oss_20b", "qwen3_coder_30b_a3b",
+                           "qwen3_6_35b_a3b")}
+    assert widths == {"llama3_1_8b_instruct": 14336, "gemma4_26b_a4b_it": 2112 + 8 * 704, "gpt_oss_20b": 4 * 2880,
+                      "qwen3_coder_30b_a3b": 8 * 768, "qwen3_6_35b_a3b": 8 * 512 + 512}
+    H, inter, E, k, L = 64, 32, 4, 2, 2
+    moe = GptOssConfig(hidden_size=H, intermediate_size=inter, num_local_experts=E, num_experts_per_tok=k,
+                       num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=128,
+                       layer_types=["sliding_attention", "full_attention"])
+    dense = LlamaConfig(hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=128)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        moe_model, dense_model = AutoModelForCausalLM.from_config(moe), AutoModelForCausalLM.from_config(dense)
+    assert plan.moe_experts(moe) == (E, k) and plan.moe_experts(dense) == (0, 0)
+    total = sum(p.numel() for p in moe_model.parameters())
+    experts = L * E * (H * 2 * inter + 2 * inter + inter * H + H)  # gate_up, its bias, down, its bias
+    assert plan.active_params(moe_model, moe) == total - experts + experts * k // E
+    assert plan.active_params(dense_model, dense) == sum(p.numel() for p in dense_model.parameters())
