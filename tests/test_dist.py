@@ -237,19 +237,19 @@ os._exit(0)  # a group whose barrier timed out cannot be shut down cleanly
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["long", "plain"])
 def test_a_process_late_past_the_collective_timeout(tmp_path, mode):
-    """Two gloo processes with a 3 s collective timeout, rank 0 6 s late: the plain barrier times out on rank 1
+    """Two gloo processes with a 3 s collective timeout, rank 0 4.5 s late: the plain barrier times out on rank 1
     (so the timeout reaches the group, and this is what the long waits are for); wait_long completes."""
     (tmp_path / "late.py").write_text(SCRIPT)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(tmp_path / "late.py"),
            mode, str(tmp_path / "out")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TIMEOUT_MINUTES": "0.05",
-           "LATE_S": "6", "PYTHONPATH": str(REPO)}
+           "LATE_S": "4.5", "PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     one = (tmp_path / "out-1.txt").read_text()
     if mode == "long":
-        assert one.startswith("passed after") and int(one.split()[2]) >= 5, one  # it did wait for rank 0
+        assert one.startswith("passed after") and int(one.split()[2]) >= 4, one  # it did wait for rank 0
         assert (tmp_path / "out-0.txt").read_text().startswith("passed")
     else:
         assert one.startswith("failed:") and "imed out" in one, one
