@@ -1,6 +1,6 @@
 """Evaluate a drafter on held-out prompts; metrics land in the training run's W&B run.
 
-    python evaluate.py                                 # latest checkpoint of the newest run
+    python evaluate.py                                 # latest checkpoint of the newest run, on its target
     python evaluate.py checkpoint=step20k run.name=my-run
     python evaluate.py checkpoint=best eval=live       # real speculative decoding, lossless check
     python evaluate.py checkpoint=/path/to/z-lab/drafter target=qwen3_8b
@@ -10,8 +10,9 @@
 """
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 
-from dflash.cli import run, to_job
+from dflash.cli import names_target, run, to_job
 from dflash.config import register_configs
 
 register_configs()
@@ -22,7 +23,8 @@ def main(cfg) -> None:
     job = to_job(cfg)  # config errors stop here, before anything heavy is imported
     from dflash.evaluate.runner import evaluate
 
-    run(evaluate, job)
+    named = names_target(HydraConfig.get().overrides.task)
+    run(lambda j: evaluate(j, target_from_run=not named), job)
 
 
 if __name__ == "__main__":

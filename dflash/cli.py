@@ -42,6 +42,13 @@ def to_job(cfg: DictConfig):
     return job
 
 
+def names_target(overrides: list[str]) -> bool:
+    """Whether command-line overrides choose the target (target=, target.*=, experiment=, debug=): otherwise
+    evaluate.py takes the one the checkpoint's run was trained with."""
+    keys = (o.lstrip("+~").split("=", 1)[0] for o in overrides)
+    return any(k in ("target", "experiment", "debug") or k.startswith(("target.", "target/")) for k in keys)
+
+
 def fail(error: Exception) -> None:
     log.error("%s", error)
     sys.exit(2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -95,14 +96,37 @@ def evaluation_target(job: JobConfig, layer_sets: list[list[int]], jobs: list[Jo
     return load_target(job.target)
 
 
-def evaluate(job: JobConfig) -> dict:
+def run_target(job: JobConfig, run: RunLayout | None) -> JobConfig:
+    """The job with the target (and feature cache folder) the run was trained with, read from its config.yaml,
+    where that is another target than the job's: `python evaluate.py checkpoint=latest` after
+    `python train.py target=tiny_gemma` evaluates against tiny_gemma, not the default target."""
+    if run is None or not run.config.exists():
+        return job
+    from omegaconf import OmegaConf
+
+    from dflash.config import TargetConfig
+
+    trained = OmegaConf.to_container(OmegaConf.load(run.config)) or {}  # as dflash.evaluate.report reads it
+    target = trained.get("target") or {}
+    if not target or target.get("name") == job.target.name:
+        return job
+    log.info("target %s, as run %s was trained (its config.yaml); target=... or experiment=... chooses another",
+             target["name"], run.name)
+    features = replace(job.features, dir=trained.get("features", {}).get("dir", job.features.dir))
+    return replace(job, target=TargetConfig(**target), features=features)
+
+
+def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set, or on each
-    benchmark of eval.suite (`evaluate_suite`)."""
+    benchmark of eval.suite (`evaluate_suite`). target_from_run: evaluate against the target the checkpoint's
+    run was trained with (`run_target`; evaluate.py sets it when its command line names no target)."""
     from dflash.dist import current
 
     setup_logging()
-    benches = suites.benchmark_jobs(job)  # a suite's files are found (or missing ones named) before anything loads
     run = find_run(job, job.checkpoint)
+    if target_from_run:
+        job = run_target(job, run)
+    benches = suites.benchmark_jobs(job)  # a suite's files are found (or missing ones named) before anything loads
     path = resolve_checkpoint(run, job.checkpoint)
     check_complete(path)
     step = checkpoint_step(path)

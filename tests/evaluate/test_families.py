@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from dflash.errors import ConfigError
 from dflash.evaluate.runner import evaluate
 from dflash.io import read_json
 from dflash.layout import RunLayout
@@ -69,3 +70,25 @@ def test_held_out_sequences_run_past_the_sliding_window(name):
                for p in prompts]
     assert window == 8 and min(lengths) > 4 * window
     assert target.tree_verification() == "sequence"
+
+
+def test_evaluate_takes_the_target_the_run_was_trained_with(workdir):
+    """`python train.py target=tiny_llama`, then `python evaluate.py eval=live checkpoint=latest` with no target on
+    its command line: the checkpoint's run names its target, so it is evaluated on tiny_llama (the default target,
+    another hidden size, would be refused). A command line naming a target keeps it."""
+    from dflash.cli import names_target
+
+    name = "tiny_llama"
+    run_dir = workdir / "runs" / name
+    if not run_dir.exists():
+        pytest.skip("needs the tiny_llama run trained above")
+    job = compose("evaluate", [f"run.root={workdir}/runs", f"run.name={name}", "checkpoint=latest", "eval=live",
+                               "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.ddtree_budgets=[4]"])
+    assert job.target.name == "toy"
+    with pytest.raises(ConfigError, match="hidden size 64 but the target has 128"):
+        evaluate(job)  # the composed default target, as before
+    metrics = evaluate(job, target_from_run=True)
+    assert metrics["eval/live_ties"] == 0 and metrics["eval/live_tokens"] == 16
+    assert not names_target(["eval=live", "checkpoint=latest", "run.name=x"])
+    assert all(names_target([o]) for o in ("target=qwen3_8b", "target.path=/m", "experiment=qwen3_8b", "debug=tiny",
+                                           "+target.revision=main"))
