@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 import logging
 import shutil
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 

@@ -64,7 +64,8 @@ def _moe_and_sinks(model: nn.Module) -> dict:
     experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts") if getattr(config, k, None)),
                    None)
     if experts:
-        top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None)
+        top_k = next((getattr(config, k) for k in ("num_experts_per_tok", "top_k_experts", "experts_per_token")
+                      if getattr(config, k, None)), None)  # Qwen and GPT-OSS, Gemma 4, older GPT-OSS configs
         norm = getattr(config, "norm_topk_prob", None)
         impl = getattr(model.config, "_experts_implementation", None) or "eager"
         report["moe"] = f"top{top_k}of{experts}" + ("" if norm is None else f",norm_topk={str(bool(norm)).lower()}")

@@ -92,3 +92,18 @@ def test_evaluate_takes_the_target_the_run_was_trained_with(workdir):
     assert not names_target(["eval=live", "checkpoint=latest", "run.name=x"])
     assert all(names_target([o]) for o in ("target=qwen3_8b", "target.path=/m", "experiment=qwen3_8b", "debug=tiny",
                                            "+target.revision=main"))
+
+
+def test_the_kernel_report_names_gemma_4_s_experts_too():
+    """Gemma 4's MoE (26B-A4B) spells its experts per token top_k_experts."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from dflash.target.identity import kernel_report
+
+    config = Gemma4TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=8,
+                              hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                              moe_intermediate_size=8, layer_types=["sliding_attention", "full_attention"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert kernel_report(model, config.layer_types)["moe"].startswith("top2of4,experts=")
