@@ -110,6 +110,14 @@ class RunLayout:
     def config(self) -> Path:
         return self.path / "config.yaml"
 
+    def trained_config(self) -> dict:
+        """config.yaml as a plain dict (the resolved config the run was trained with); {} when it has none."""
+        if not self.config.exists():
+            return {}
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(OmegaConf.load(self.config)) or {}
+
     @property
     def info(self) -> Path:
         """run.json: name, created, git commit, W&B run id/project/entity/group."""

@@ -37,12 +37,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def load_run(path: Path) -> dict:
     """Metrics, config and teacher-forced eval summaries (by step) of one run folder."""
-    from omegaconf import OmegaConf
-
     run = RunLayout(path)
     if not run.metrics.exists():
         raise NotFoundError(f"{path} has no metrics.jsonl: not a dflash run folder")
-    config = OmegaConf.to_container(OmegaConf.load(run.config)) if run.config.exists() else {}
+    config = run.trained_config()
     evals = {}
     for s in run.eval_summaries():
         summary = json.loads(s.read_text())

@@ -100,13 +100,11 @@ def run_target(job: JobConfig, run: RunLayout | None) -> JobConfig:
     """The job with the target (and feature cache folder) the run was trained with, read from its config.yaml,
     where that is another target than the job's: `python evaluate.py checkpoint=latest` after
     `python train.py target=tiny_gemma` evaluates against tiny_gemma, not the default target."""
-    if run is None or not run.config.exists():
+    if run is None:
         return job
-    from omegaconf import OmegaConf
-
     from dflash.config import TargetConfig
 
-    trained = OmegaConf.to_container(OmegaConf.load(run.config)) or {}  # as dflash.evaluate.report reads it
+    trained = run.trained_config()
     target = trained.get("target") or {}
     if not target or target.get("name") == job.target.name:
         return job
