@@ -157,11 +157,12 @@ TARGETS = {
 
 
 def moe_experts(text) -> tuple[int, int]:
-    """(experts, experts a token runs through) of a text config's MoE layers; (0, 0) for a dense model.
-    Spellings: num_experts/num_experts_per_tok (Qwen), num_local_experts (GPT-OSS), top_k_experts (Gemma 4)."""
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0
-    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None) or 0
-    return (int(experts), int(top_k)) if experts and top_k else (0, 0)
+    """(experts, experts a token runs through) of a text config's MoE layers (dflash.target.identity's reading of
+    the families' spellings); (0, 0) for a dense model, or one whose experts per token the config does not say."""
+    from dflash.target.identity import moe_experts as read_experts
+
+    experts, top_k = read_experts(text)
+    return (experts, top_k) if experts and top_k else (0, 0)
 
 
 def active_intermediate(text) -> int:

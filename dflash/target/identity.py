@@ -55,17 +55,25 @@ def kernel_report(model: nn.Module, layer_types: list[str]) -> dict:
     return report
 
 
+def moe_experts(text_config) -> tuple[int, int]:
+    """(experts, experts a token is routed to) of a mixture-of-experts text config, 0 where the config has none.
+    Spellings: num_experts (Qwen, Gemma 4) or num_local_experts (GPT-OSS); num_experts_per_tok (Qwen, GPT-OSS),
+    top_k_experts (Gemma 4) or experts_per_token (older GPT-OSS configs)."""
+    def first(*keys):
+        return int(next((getattr(text_config, k) for k in keys if getattr(text_config, k, None)), 0))
+
+    return (first("num_experts", "num_local_experts"),
+            first("num_experts_per_tok", "top_k_experts", "experts_per_token"))
+
+
 def _moe_and_sinks(model: nn.Module) -> dict:
     """The parts of a mixture-of-experts or attention-sink target that change its hidden states: `moe`, how
     tokens are routed (experts per token of how many, top-k weights renormalised or not; transformers drops
     no token for capacity) and which experts implementation runs them (eager, grouped_mm, batched_mm: their
     sums differ in bf16); `attention_sinks`, learned per-head sink logits (GPT-OSS). Absent for other targets."""
     config, report = model.config.get_text_config(), {}
-    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts") if getattr(config, k, None)),
-                   None)
+    experts, top_k = moe_experts(config)
     if experts:
-        top_k = next((getattr(config, k) for k in ("num_experts_per_tok", "top_k_experts", "experts_per_token")
-                      if getattr(config, k, None)), None)  # Qwen and GPT-OSS, Gemma 4, older GPT-OSS configs
         norm = getattr(config, "norm_topk_prob", None)
         impl = getattr(model.config, "_experts_implementation", None) or "eager"
         report["moe"] = f"top{top_k}of{experts}" + ("" if norm is None else f",norm_topk={str(bool(norm)).lower()}")
