@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.drafter.model import Scales
+
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     """[B] weights: slot 0 (the given token) 0, slot k >= 1 exp(-(k-1)/gamma)."""
@@ -57,11 +59,11 @@ def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: to
     return F.cross_entropy(scores, gold, reduction="none"), cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tensor:
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
     """float32 logits [N, V] of hidden [N, H] through the target head `weight` [V, H], with the target's output
-    multiplier and softcap (`scales`: the drafter's Scales; None = none)."""
-    logits = F.linear(hidden, weight).float()
-    return logits if scales is None else scales.finish(logits)
+    multiplier and softcap (`scales`: the drafter's, Scales.logits as evaluation and decoding make them; None =
+    none)."""
+    return (scales or Scales()).logits(hidden, weight)
 
 
 def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, *, scales=None):

@@ -326,6 +326,10 @@ class Scales(NamedTuple):
         rows = F.embedding(ids, weight)
         return rows if self.input_embedding_scale == 1.0 else rows * self.input_embedding_scale
 
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits [.., V] of drafter hidden states [.., H] through the target head `head_weight` [V, H]."""
+        return self.finish(F.linear(hidden.to(head_weight.dtype), head_weight).float())
+
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits from the target head's raw output `logits` [.., V]."""
         if self.output_multiplier != 1.0:
@@ -476,7 +480,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             anchor; each layer's AttentionRule applied), a bool [b, 1, q, keys] tensor, a flex BlockMask, or
             a dict of either per AttentionRule (dflash.drafter.blocks.packed_attention_masks) for packed training.
         cache: context keys/values from earlier calls, extended in place.
-        Returns the final-normed hidden states [b, q, H]: logits are `self.scales.finish(lm_head(h))`.
+        Returns the final-normed hidden states [b, q, H]: logits are `self.scales.logits(h, lm_head.weight)`.
         """
         context = self.project_context(target_hidden)
         cos, sin = self.rotary_emb(noise_embedding, position_ids)

@@ -122,7 +122,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         p = len(ids) - 1
         anchor_token = torch.tensor([ids[-1]], device=input_ids.device)
         hidden = draft_block(drafter, embed, pending.to(dtype), anchor_token, p, cache=dcache)
-        logits = drafter.scales.finish(head(hidden[0, 1:].to(head.weight.dtype)).float())
+        logits = drafter.scales.logits(hidden[0, 1:], head.weight)
         room = max_new_tokens - (len(ids) - prompt_len)  # tokens still allowed, the bonus included
         tables = None
         if drafter.candidate_selector is not None and (tree_budget is None or tree == "pairwise"):

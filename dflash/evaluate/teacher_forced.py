@@ -87,7 +87,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                                      drafter.mask_token_id).to(device)
                 hidden = draft_packed(drafter, embed, feats[None].to(device, dtype), blocks, backend,
                                       num_blocks=ANCHORS_PER_FORWARD)[0, :, 1:]
-                logits = drafter.scales.finish(head(hidden.to(head.weight.dtype)).float())
+                logits = drafter.scales.logits(hidden, head.weight)
                 logp = torch.log_softmax(logits, -1)
                 top = logp.topk(K, dim=-1)
                 # a partial block's slots past the completion hold -1: never a drafted token
