@@ -16,16 +16,17 @@ log = logging.getLogger(__name__)
 IDENTITY = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
-def embedding_scale(module: nn.Module) -> float:
+def embedding_scale(module: nn.Module) -> float | None:
     """The factor an embedding module multiplies its rows by (transformers' *ScaledWordEmbedding keep it as the
-    float `scalar_embed_scale` and the buffer `embed_scale`); 1.0 for a plain nn.Embedding."""
+    float `scalar_embed_scale` and the buffer `embed_scale`); 1.0 for a plain nn.Embedding; None where it is only
+    a buffer on the meta device (no value to read)."""
     scalar = getattr(module, "scalar_embed_scale", None)
     if scalar is not None:
         return float(scalar)
     buffer = getattr(module, "embed_scale", None)
-    if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
-        return float(buffer)
-    return 1.0 if buffer is None else float(buffer)
+    if buffer is None:
+        return 1.0
+    return None if isinstance(buffer, torch.Tensor) and buffer.is_meta else float(buffer)
 
 
 def output_multiplier(text_config) -> float:
@@ -47,21 +48,26 @@ def softcap(text_config) -> float | None:
 def target_scales(text_config, embedding: nn.Module | None = None) -> dict:
     """{input_embedding_scale, output_multiplier, final_logit_softcapping} of a target: the embedding scale from
     its loaded embedding module, else from a build of the model on the meta device (no weights, no memory)."""
-    if embedding is None:
-        embedding = _meta_embedding(text_config)
-    return {"input_embedding_scale": embedding_scale(embedding) if embedding is not None else 1.0,
-            "output_multiplier": output_multiplier(text_config), "final_logit_softcapping": softcap(text_config)}
+    scale = embedding_scale(embedding if embedding is not None else _meta_embedding(text_config))
+    if scale is None:
+        log.warning("the embedding module of %s keeps its scale only as a buffer, unreadable on the meta device; "
+                    "taking 1.0 (a drafter built from this load embeds unscaled rows). Load the whole target to read "
+                    "it", type(text_config).__name__)
+        scale = 1.0
+    return {"input_embedding_scale": scale, "output_multiplier": output_multiplier(text_config),
+            "final_logit_softcapping": softcap(text_config)}
 
 
-def _meta_embedding(text_config) -> nn.Module | None:
+def _meta_embedding(text_config) -> nn.Module:
+    """The model's embedding module, built on the meta device (nn.Embedding where transformers cannot build it from
+    its config alone: then the scale is taken as 1.0, and said so)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(text_config).get_input_embeddings()
     except Exception as e:  # a model class transformers cannot build from its config alone
-        log.warning("cannot build %s on the meta device to read its embedding scale (%s: %s); taking 1.0. A "
-                    "drafter checked against the whole target later (evaluation, live decoding) is refused if "
-                    "the target does scale its embeddings",
-                    type(text_config).__name__, type(e).__name__, str(e)[:120])
-        return None
+        log.warning("cannot build %s on the meta device to read its embedding scale (%s: %s); taking 1.0 (a drafter "
+                    "built from this load embeds unscaled rows; check_fits warns when it meets the whole target "
+                    "and that scales them)", type(text_config).__name__, type(e).__name__, str(e)[:120])
+        return nn.Embedding(1, 1, device="meta")
