@@ -18,8 +18,10 @@ from torch import nn
 from dflash.errors import NotFoundError
 
 
-def _resolved_impl(fn) -> object:
-    """The implementation transformers bound behind a kernel-dispatching function."""
+def _resolved_impl(fn) -> tuple[object, tuple | None]:
+    """(the implementation transformers bound behind a kernel-dispatching function, the device types it runs
+    it on: None for all). transformers 5.25 and later run their PyTorch reference instead of fla's kernels for
+    inputs on a device the package does not list (fla: cuda, xpu, mlu, npu; not cpu)."""
     seen = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
@@ -27,28 +29,32 @@ def _resolved_impl(fn) -> object:
         if code is not None and fn.__closure__:
             cells = dict(zip(code.co_freevars, fn.__closure__))
             if "implementation" in cells:
-                return cells["implementation"].cell_contents
+                devices = cells["supported_devices"].cell_contents if "supported_devices" in cells else None
+                return cells["implementation"].cell_contents, devices
         fn = getattr(fn, "__wrapped__", None)
-    return None
+    return None, None
 
 
 def kernel_report(model: nn.Module, layer_types: list[str]) -> dict:
     """Which kernels each layer type of the target runs, as will be recorded in manifests.
 
     `linear_attention` and `causal_conv1d` name the package transformers bound for Gated
-    DeltaNet layers (fla / causal_conv1d) or `torch_fallback` for its PyTorch reference code.
+    DeltaNet layers (fla / causal_conv1d) or `torch_fallback` for its PyTorch reference code, which is also
+    what runs where the package is bound but not used on the model's device (transformers 5.25: fla on CPU).
     """
     report = {"full_attention": getattr(model.config, "_attn_implementation", None) or "eager"}
     if "linear_attention" in layer_types:
         linear = next((m for m in model.modules() if "GatedDeltaNet" in type(m).__name__), None)
         module = sys.modules[type(linear).__module__]
+        device = next(model.parameters()).device.type
         for key, fn_name, package in (("linear_attention", "torch_chunk_gated_delta_rule", "fla"),
                                       ("causal_conv1d", "causal_conv1d_fn", "causal_conv1d")):
-            impl = _resolved_impl(getattr(module, fn_name, None))
+            impl, devices = _resolved_impl(getattr(module, fn_name, None))
             if impl is None:  # transformers without the dispatch wrapper: infer from the install
                 report[key] = package if importlib.util.find_spec(package) else "torch_fallback"
             else:
-                report[key] = package if getattr(impl, "__module__", "").startswith(package) else "torch_fallback"
+                bound = getattr(impl, "__module__", "").startswith(package)
+                report[key] = package if bound and (devices is None or device in devices) else "torch_fallback"
     if "sliding_attention" in layer_types:
         report["sliding_attention"] = report["full_attention"]
     report.update(_moe_and_sinks(model))

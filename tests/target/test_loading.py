@@ -54,6 +54,34 @@ def test_kernel_report_names_the_fallback_on_cpu(tiny_targets):
     assert kernel_backend(report).startswith("causal_conv1d=torch_fallback,")
 
 
+def _dispatch(implementation, supported_devices):
+    """A kernel-dispatching function as transformers wraps one (hub_kernels.use_kernel_func_from_hub_with_fallback):
+    its closure holds the bound implementation and, from 5.25, the device types that implementation runs on."""
+    def wrapped(*args, **kwargs):
+        if supported_devices is not None and args[0].device.type not in supported_devices:
+            return None
+        return implementation(*args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("devices,expected", [(("cuda", "xpu", "mlu", "npu"), "torch_fallback"),
+                                              (("cuda", "cpu"), "fla"), (None, "fla")])
+def test_kernel_report_names_fla_only_where_transformers_runs_it(tiny_targets, monkeypatch, devices, expected):
+    """transformers 5.25 binds fla when it is importable but runs its PyTorch reference for CPU inputs: a kernel
+    report that named the bound package recorded fla for features the fallback computed."""
+    import sys
+
+    from dflash.target.identity import kernel_report
+
+    model = tiny_targets["tiny_qwen3_5"].model
+    module = sys.modules[type(next(m for m in model.modules() if "GatedDeltaNet" in type(m).__name__)).__module__]
+    fla_kernel = lambda *a, **k: None  # noqa: E731
+    fla_kernel.__module__ = "fla.ops.gated_delta_rule.chunk"
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _dispatch(fla_kernel, devices))
+    report = kernel_report(model, tiny_targets["tiny_qwen3_5"].layer_types)
+    assert report["linear_attention"] == expected and report["causal_conv1d"] == "torch_fallback"
+
+
 def test_features_equal_output_hidden_states(tiny_target):
     ids = torch.randint(0, 256, (2, 23))
     layer_ids = [1, 4, 7]  # 7 is the last layer: HF reports it after the final norm
