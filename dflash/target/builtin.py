@@ -33,6 +33,14 @@ def tiny_qwen3_sliding_config(vocab_size: int):
     return config
 
 
+def tiny_qwen3_hd32_config(vocab_size: int):
+    """tiny_qwen3 at head width 32, the smallest vLLM's CPU attention takes (it has no kernel for 16): the
+    target `make engines` serves through vLLM."""
+    config = tiny_qwen3_config(vocab_size)
+    config.head_dim = 32
+    return config
+
+
 def tiny_qwen3_5_config(vocab_size: int):
     """Qwen3.5 text config: 3 Gated DeltaNet layers to 1 full-attention layer, 8 layers."""
     from transformers import Qwen3_5TextConfig
@@ -113,6 +121,7 @@ def tiny_gpt_oss_config(vocab_size: int):
 
 
 TINY = {"tiny_qwen3": (tiny_qwen3_config, "qwen"), "tiny_qwen3_sliding": (tiny_qwen3_sliding_config, "qwen"),
+        "tiny_qwen3_hd32": (tiny_qwen3_hd32_config, "qwen"),
         "tiny_qwen3_5": (tiny_qwen3_5_config, "qwen"), "tiny_qwen3_moe": (tiny_qwen3_moe_config, "qwen"),
         "tiny_qwen3_5_moe": (tiny_qwen3_5_moe_config, "qwen"),
         "tiny_llama": (tiny_llama_config, "llama3"), "tiny_gemma": (tiny_gemma_config, "gemma4"),
