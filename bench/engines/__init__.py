@@ -1,0 +1,37 @@
+"""`make engines`: the real engines in the loop, each in a venv of its own (never the main one).
+
+- vllm_check: vLLM's CPU build serves drafters train.py trained, equal to our live evaluation
+  (vllm_serve.py is what runs in the vLLM venv).
+- fla_check: extraction through the fla kernels (Triton's interpreter, with the fixes of triton_fixes.py),
+  recorded as such, equal to the PyTorch fallback's within tolerance, and never mixed with it.
+- pins: the engine versions these checks were verified with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def compose_job(config_name: str, overrides: list[str]):
+    """conf/<config_name>.yaml with overrides, as its entry point turns it into a JobConfig."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.cli import to_job
+    from dflash.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return to_job(compose(config_name, overrides))
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None, check: bool = True) -> int:
+    """cmd in the repository root, its output to `log`; a failure stops the check, naming the log."""
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if check and proc.returncode:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}); see {log}")
+    return proc.returncode

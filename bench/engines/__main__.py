@@ -1,0 +1,60 @@
+"""`make engines`: both engine checks, their verdicts, and one result file.
+
+    python -m bench.engines --vllm-python .venv-engines/vllm/bin/python --fla-python .venv-engines/fla/bin/python
+    python -m bench.engines ... --break layer_ids      # or --break backend: the check must FAIL
+
+Writes bench/results/<date>-cpu<cores>-engines.json (--out to choose): each check's findings with the engine
+versions they were verified with. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench.engines import REPO, fla_check, pins, vllm_check
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__.split("\n")[0])
+    parser.add_argument("--vllm-python", required=True, help="python of the vLLM venv")
+    parser.add_argument("--fla-python", required=True, help="python of the fla venv")
+    parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-cpu<cores>-engines.json)")
+    parser.add_argument("--only", choices=["vllm", "fla"], help="run one check")
+    parser.add_argument("--break", dest="broken", choices=["layer_ids", "backend"],
+                        help="a deliberate break: layer_ids (vLLM is handed shifted target_layer_ids) or backend "
+                             "(the fla side reports the fallback's kernels)")
+    args = parser.parse_args()
+    from bench.run import machine
+
+    start = time.time()
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "break": args.broken,
+              "pins": {venv: pinned for venv, pinned in pins.PINNED.items()}, "checks": {}}
+    verdicts = []
+    if args.only in (None, "vllm"):
+        out = vllm_check.check(args.vllm_python, REPO / "build" / "engines" / "vllm",
+                               args.broken if args.broken == "layer_ids" else None)
+        result["checks"]["vllm"] = out
+        verdicts.append(vllm_check.verdict(out))
+        print(verdicts[-1], flush=True)
+    if args.only in (None, "fla"):
+        out = fla_check.check(args.fla_python, REPO / "build" / "engines" / "fla",
+                              args.broken if args.broken == "backend" else None)
+        result["checks"]["fla"] = out
+        verdicts.append(fla_check.verdict(out))
+        print(verdicts[-1], flush=True)
+    result["ok"] = all(c["ok"] for c in result["checks"].values())
+    result["seconds"] = round(time.time() - start)
+    out_path = args.out or REPO / "bench" / "results" / f"{result['date']}-cpu{os.cpu_count()}-engines" \
+        f"{'-break-' + args.broken if args.broken else ''}.json"
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"engines: {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; results in {out_path}")
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

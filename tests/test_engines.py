@@ -1,0 +1,94 @@
+"""`make engines` (bench/engines): what of it runs without the engines' venvs. The checks themselves run vLLM and
+fla in venvs of their own (`make engines`; CI runs it after the tests)."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from bench.engines import REPO, pins, vllm_check
+
+
+def test_pins_stop_loudly_on_a_moved_version(monkeypatch):
+    real = importlib.metadata.version
+    moved = {**{d: v for d, v in pins.PINNED["fla"].items()}, "triton": "3.10.0"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: moved[d] if d in moved else real(d))
+    with pytest.raises(SystemExit, match=r"triton is 3\.10\.0 .* pinned 3\.9\.0 in bench/engines/pins\.py.*re-verify"):
+        pins.check("fla")
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: pins.PINNED["fla"][d])
+    pins.check("fla")  # at the pins: nothing to say
+
+
+def test_pins_refuse_the_cuda_torchvision_vllm_pulls_in(monkeypatch):
+    versions = {**pins.PINNED["vllm"], "torchvision": "0.28.0"}
+
+    def version(dist):
+        if dist not in versions:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit, match="torchvision 0.28.0 is installed.*pip uninstall torchvision"):
+        pins.check("vllm")
+
+
+def test_the_interpreter_fixes_refuse_to_run_outside_the_fla_venv():
+    """The main venv has no triton and no fla (it must not: transformers would bind fla's GPU kernels)."""
+    with pytest.raises(SystemExit, match="(triton|flash-linear-attention) is not installed .* pinned"):
+        pins.apply_interpreter_fixes()
+
+
+def test_the_makefile_installs_what_pins_says():
+    """`python3 bench/engines/pins.py <venv>` prints the requirements with the standard library alone."""
+    out = subprocess.run([sys.executable, "-I", str(REPO / "bench" / "engines" / "pins.py"), "fla"], check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert out == [f"triton=={pins.TRITON}", f"flash-linear-attention=={pins.FLA}",
+                   f"transformers=={pins.FLA_TRANSFORMERS}"]
+    unwanted = subprocess.run([sys.executable, "-I", str(REPO / "bench" / "engines" / "pins.py"), "vllm-unwanted"],
+                              check=True, capture_output=True, text=True).stdout.split()
+    assert unwanted == pins.UNWANTED["vllm"]
+    assert "$(PINS) vllm)" in (REPO / "Makefile").read_text() and "PINS := bench/engines/pins.py" in (REPO / "Makefile").read_text()
+
+
+def test_vllm_acceptance_is_capped_at_what_the_output_kept():
+    """vLLM counts the drafts it accepted at the last step before max_tokens cuts them: 1 token from the prefill,
+    then 7+1, 7+1, 7+1 = 25, and a last step accepting 7 of which the 32-token output keeps 6."""
+    assert vllm_check.capped([7, 7, 7, 7], list(range(32))) == [7, 7, 7, 6]
+    assert vllm_check.capped([0, 3, 7], list(range(1 + 1 + 4 + 8))) == [0, 3, 7]
+    assert vllm_check.capped([7, 7], list(range(5))) == [3, 0]
+
+
+def _export(tmp_path, **config):
+    (tmp_path / "config.json").write_text(__import__("json").dumps(
+        {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 8,
+         "is_causal": True, "block_size": 8,
+         "dflash_config": {"causal": True, "use_swa": True, "swa_window_size": 8, "target_layer_ids": [1, 2]},
+         **config}))
+    return tmp_path
+
+
+def test_vllm_attention_read_back_names_each_difference(tmp_path):
+    export = _export(tmp_path)
+    config = __import__("json").loads((export / "config.json").read_text())
+    alike = {"draft_layers": [{"sliding_window": 8, "causal": True}] * 2, "draft_config": config}
+    assert vllm_check.attention_checks(export, alike) == []
+    other = {"draft_layers": [{"sliding_window": 8, "causal": True}, {"sliding_window": None, "causal": False}],
+             "draft_config": {**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": [2, 3]}}}
+    problems = vllm_check.attention_checks(export, other)
+    assert any(p.startswith("layer 1: ours (window 8, causal True)") for p in problems), problems
+    assert any(p.startswith("dflash_config.target_layer_ids: ours [1, 2]") for p in problems), problems
+
+
+@pytest.mark.parametrize("name", list(vllm_check.EXPORTS))
+def test_each_vllm_export_is_a_config_train_py_takes(name, dflash_home):
+    """The drafters the vLLM check trains, composed as train.py composes them: a key renamed in conf/ shows here,
+    not only in `make engines`."""
+    from bench.engines import compose_job
+
+    overrides, _ = vllm_check.EXPORTS[name]
+    job = compose_job("train", [*vllm_check.COMMON, *overrides])
+    assert job.target.name == vllm_check.TARGET and job.drafter.num_layers == 2
+    types = job.drafter.resolved_layer_types()
+    assert {"full": "full_attention" in types and len(set(types)) == 1, "sliding": set(types) == {"sliding_attention"},
+            "mixed": len(set(types)) == 2, "dflash2": job.drafter.kind == "dflash2"}[name]
