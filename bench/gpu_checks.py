@@ -45,7 +45,7 @@ BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of 
 # a cold compile of flex attention, ~70 s, the Qwen3.6 one for two mask kinds at head dim 256), then the
 # rest side by side: 480 s in all, so that bench/gpu_check.sh with its install ends within 10 minutes
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
-            "fla_kernels": 150, "live_lossless": 150, "qwen3_6_dflash2_step": 150}
+            "fla_kernels": 150, "live_lossless": 150, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150}
 ALONE = ("flex_train_step", "qwen3_6_step")  # their tokens/s need the GPU to themselves
 DEFAULT_BUDGET = 480
 
@@ -308,10 +308,28 @@ def live_lossless(budget: float) -> dict:
     return result
 
 
-GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step"}
+def vllm_dflash2(budget: float) -> dict:
+    """What vLLM's CPU build cannot serve (`make engines` records its refusals), served through vLLM on the GPU:
+    a DFlash 2 drafter (its selector walk is a Triton kernel) and a mixed sliding/full one (V2 model runner
+    only), each against our live evaluation as bench.engines.vllm_check compares them. Needs vllm importable
+    in this interpreter: the device image has none, and its CUDA wheel is larger than a device run carries."""
+    import importlib.util
+
+    if _cuda() is None:
+        return {"status": "SKIP", "summary": "needs CUDA (vLLM's CPU build refuses these exports: make engines)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "SKIP", "summary": "vllm is not installed here; pip install vllm, then rerun this check"}
+    from bench.engines import vllm_check
+
+    out = vllm_check.check(sys.executable, REPO / "build" / "engines" / "vllm-gpu", exports=["dflash2", "mixed"])
+    return {"status": "PASS" if out["ok"] else "FAIL", "summary": vllm_check.verdict(out).replace("\n", "; "),
+            "result": out}
+
+
+GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step", "vllm_dflash2"}
 CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
           "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless,
-          "qwen3_6_dflash2_step": qwen3_6_dflash2_step}
+          "qwen3_6_dflash2_step": qwen3_6_dflash2_step, "vllm_dflash2": vllm_dflash2}
 
 
 def resolve(name: str):
