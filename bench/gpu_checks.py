@@ -42,10 +42,13 @@ PLAN_TOL = 0.15  # bench.plan's peak against the measured one (tests/test_plan.p
 BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of bf16 logits (eval.tie_margin null)
 
 # check -> time limit in seconds on an H200: the two timing checks alone, one after the other (each pays
-# a cold compile of flex attention, ~70 s, the Qwen3.6 one for two mask kinds at head dim 256), then the
-# rest side by side: 480 s in all, so that bench/gpu_check.sh with its install ends within 10 minutes
+# a cold compile of flex attention; on the first H200 they took 46 s and 31 s), then the rest side by side
+# within what is left of 480 s, so that bench/gpu_check.sh with its install ends within 10 minutes. The two
+# checks that run fla's kernels spend most of their time in Triton's autotuning of them, once per key and dtype
+# in a fresh process (2026-12-04 H200: 22 autotunings, 234 s, in fla_kernels; 17, 143 s, in live_lossless; a
+# first forward 45 s): side by side with each other only they took 264 s and 282 s, past the 150 s they had
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
-            "fla_kernels": 150, "live_lossless": 150, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150}
+            "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150}
 ALONE = ("flex_train_step", "qwen3_6_step")  # their tokens/s need the GPU to themselves
 DEFAULT_BUDGET = 480
 
@@ -251,9 +254,12 @@ def fla_kernels(budget: float) -> dict:
                                              "or pip install flash-linear-attention)"}
     from bench.gpu_target import extraction_kernels, mid_hybrid_config
 
+    start = time.time()
     tiny = extraction_kernels(device)
+    print(f"fla_kernels: tiny done in {time.time() - start:.1f} s (bound {tiny['bound_s']} s a forward)", flush=True)
     save_partial({"tiny": tiny})
     mid = extraction_kernels(device, mid_hybrid_config(), batch=2, length=2048)
+    print(f"fla_kernels: head dims 128 done in {time.time() - start:.1f} s", flush=True)
     why, parts = [], []
     for label, out in (("tiny", tiny), ("head dims 128", mid)):
         w, figures = kernel_verdict(out, label)
@@ -301,8 +307,17 @@ def live_lossless(budget: float) -> dict:
     from bench.gpu_target import live_lossless as run
 
     device = _cuda() or torch.device("cpu")
+
+    def progress(out: dict) -> None:  # a line per run into the check's log, and the runs so far kept
+        r = out["runs"][-1]
+        print(f"live_lossless {len(out['runs'])}: {r['target']} {r['dtype']} {r['prompt']} {r['drafter']} "
+              f"tree {r['tree_budget']}: {'identical' if r['identical'] else 'DIVERGED'}, tau {r['tau']}, "
+              f"{r['seconds']} s", flush=True)
+        save_partial(out)
+
     # on CPU one short prompt per case: a smoke test of the same code
-    out = run(device, prompts=2, new_tokens=64) if device.type == "cuda" else run(device, prompts=1, new_tokens=32)
+    out = run(device, prompts=2, new_tokens=64, on_run=progress) if device.type == "cuda" else \
+        run(device, prompts=1, new_tokens=32, on_run=progress)
     result = lossless_verdict(out)
     result["summary"] = f"on {device.type}: {result['summary']}"
     return result

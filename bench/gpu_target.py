@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bench.measure import timed
+from bench.measure import time_call, timed
 
 
 def mid_hybrid_config(vocab_size: int = 4096):
@@ -128,6 +128,7 @@ def extraction_kernels(device, config=None, batch: int = 8, length: int = 1024, 
                      f"{config.hidden_size}, linear heads {config.linear_num_key_heads}/{config.linear_num_value_heads}"
                      f" x {config.linear_key_head_dim}, attention heads {config.num_attention_heads} x "
                      f"{config.head_dim}, [{batch}, {length}] tokens"}
+    out["bound_first_s"] = round(time_call(forward), 2)  # the kernels' compiles and autotuning for this shape
     out["bound_s"] = round(timed(forward, repeat=repeat), 4)
     runs["bound"] = _gated_deltanet_outputs(model, ids, layers)
     with fallback_kernels(model) as swapped:
@@ -169,13 +170,17 @@ def first_divergence(target, plain: list[int], spec: list[int], prompt_len: int)
             "lengths": [len(plain) - prompt_len, len(spec) - prompt_len], "margin": margin}
 
 
-def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48) -> dict:
+def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48,
+                  on_run=None) -> dict:
     """Speculative decoding against plain greedy decoding, token for token, on the toy target (a
     trained hybrid: the chain with recorded linear states, a DDTree as a batch of its paths) and the tiny
     Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but
     misses on purpose (so blocks are partly accepted) and a random real drafter. Each run records its first divergence
-    (`first_divergence`, None when identical); nothing is excused here: bench/gpu_checks.py judges."""
+    (`first_divergence`, None when identical) and its seconds; nothing is excused here: bench/gpu_checks.py judges.
+    `on_run(out)` after each run (the GPU check keeps it as its partial result and prints a line: a first run that
+    pays the kernels' compiles and autotuning shows as such in the log)."""
     import os
+    import time
 
     from dflash.config import DrafterConfig, LayersConfig, TargetConfig
     from dflash.data.prompts import encode, load_prompts, prompt_text
@@ -206,7 +211,9 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                 budgets = [None, 8]  # chain, and a DDTree of 8 nodes (hybrid: a batch of its paths)
                 for kind, drafter in (("oracle", oracle), ("random", real)):
                     for budget in budgets:
+                        start = time.perf_counter()
                         res = speculative_generate(drafter, target, ids, new_tokens, tree_budget=budget)
+                        seconds = time.perf_counter() - start
                         div = first_divergence(target, plain, res.output_ids[0].tolist(), ids.shape[1])
                         taus, generated = res.acceptance_lengths, res.output_ids.shape[1] - ids.shape[1]
                         out["runs"].append({"target": name, "kernels": target.kernels, "dtype": dtype,
@@ -214,7 +221,9 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                                             "identical": div is None, "divergence": div,
                                             "tau": round(sum(taus) / len(taus), 3),
                                             "tokens_per_forward": round(generated / res.target_forwards, 3),
-                                            "verify_tokens": res.verify_tokens})
+                                            "verify_tokens": res.verify_tokens, "seconds": round(seconds, 2)})
+                        if on_run is not None:
+                            on_run(out)
     if tmp is not None:
         tmp.cleanup()
     return out
