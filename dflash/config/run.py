@@ -198,6 +198,11 @@ class EvalConfig:
     tie_margin: float | None = None
     """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
     is reported as a numerical tie, not a failure; null = 1e-3 for float32 targets, 0.1 otherwise."""
+    warmup_tokens: int = 32
+    """Live mode: before the timed decoding, the first prompt is decoded this many tokens, untimed and unscored,
+    plainly and by each verifier, so that the kernels' compiles and autotuning are not timed as the first decoding's
+    cost (fla's Gated DeltaNet kernels autotune once per shape and dtype in a process: 45 s for the first forward of
+    a hybrid target on an H200, minutes in all); 0 = none. Changes the speedup and timing metrics only."""
 
     def __post_init__(self) -> None:
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
@@ -209,6 +214,7 @@ class EvalConfig:
             raise ConfigError("eval.references are shown per benchmark: set eval.suite too (e.g. eval.suite=paper)")
         for key in ("max_new_tokens", "completions_batch_size", "anchor_stride", "max_blocks", "max_prompts"):
             positive(f"eval.{key}", getattr(self, key))
+        positive("eval.warmup_tokens", self.warmup_tokens, allow_zero=True)
         positive("eval.every", self.every, allow_zero=True)
         positive("eval.temperature", self.temperature, allow_zero=True)
         one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})

@@ -62,6 +62,17 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
                         f"decoding loop is not lossless: this is a bug, please report it")
 
 
+def warm_up(drafter, target: Target, ids: torch.Tensor, tokens: int, verifiers: list[tuple], verifier: str,
+            **knobs) -> None:
+    """Decode `ids` for `tokens` tokens plainly and by each (tree budget, tree) of `verifiers`, discarding the
+    output: the first forwards of a process pay the kernels' compiles and autotuning (on an H200, fla's autotuning
+    made a hybrid target's first forward 45 s and its first live decoding 14.5 s against 1.9 s for the next), which
+    the timed decoding after it then does not count."""
+    greedy_generate(target, ids, tokens, **knobs)
+    for budget, tree in verifiers:
+        speculative_generate(drafter, target, ids, tokens, tree_budget=budget, tree=tree, verifier=verifier, **knobs)
+
+
 def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
     """Per-step records and a summary of live decoding: the drafted chain and each DDTree budget, on every
     target (hybrid ones verify a tree as a batch of its paths, dflash.evaluate.verify)."""
@@ -79,14 +90,21 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
     turns = [p.user_turns if cfg.turns == "all" else 1 for p in prompts]
+
+    def request(prompt, turn: int, answers: list[str]) -> torch.Tensor:  # the token ids [1, P] a turn continues
+        text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), data.chat_template,
+                           data.enable_thinking, data.chat_template_kwargs)
+        return torch.tensor([encode(target.tokenizer, text)], device=target.device)
+
+    if cfg.warmup_tokens and prompts:
+        warm_up(drafter, target, request(prompts[0], 0, []), min(cfg.warmup_tokens, cfg.max_new_tokens), budgets,
+                cfg.verifier, seed=cfg.seed, **knobs)
     progress = Progress(sum(turns), "live eval", "requests")
     for n, prompt in enumerate(prompts):
         answers = []  # the conversation's earlier answers: what the drafted chain decoded (the reference's way)
         for turn in range(turns[n]):
             rid = turn_id(prompt.id, turn)
-            text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), data.chat_template,
-                               data.enable_thinking, data.chat_template_kwargs)
-            ids = torch.tensor([encode(target.tokenizer, text)], device=target.device)
+            ids = request(prompt, turn, answers)
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
