@@ -261,14 +261,15 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
     return drafter, shape, setup
 
 
-def make_run(job: dict, opts: dict) -> Run:
-    """The Run the costs are for: the plan keys where given, else the configured data and a measured MFU."""
+def make_run(job: dict, opts: dict, experiment: str | None = None) -> Run:
+    """The Run the costs are for: the plan keys where given, else the configured data and a measured MFU (the
+    experiment preset's own step where a GPU result has it)."""
     counted = plan_costs.count_prompts(job.get("data", {}))
     sequences = opts.get("sequences") or counted or PAPER_SEQUENCES
     where = ("sequences=" if opts.get("sequences") else "data.prompts" if counted
              else "the DFlash paper's ~800K: data.prompts is not at hand; sequences=N sets it")
     tokens = opts.get("tokens_per_sequence") or min(job["max_length"], round(PAPER_TOKENS / PAPER_SEQUENCES))
-    measured = plan_costs.measured_mfu()
+    measured = plan_costs.measured_mfu(experiment=experiment)
     mfu, mfu_where = ((opts["mfu"], "mfu=") if opts.get("mfu") else measured if measured
                       else (plan_costs.ASSUMED_MFU, Run.mfu_where))
     train = job["train"]
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         if cause is e and not isinstance(e, (ConfigError, HydraException)):
             raise
         fail(cause)
-    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts))
+    experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
+    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment))
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(overrides) or "conf/train.yaml"))
 

@@ -13,8 +13,9 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   MFU is measured against), plus, with gradient checkpointing, the layers' forward again; the target's
   forward is 2 FLOPs per non-embedding parameter per token (of a MoE target, the parameters a token runs through:
   all but the experts it is not routed to; attention's share is ignored: ~1%), once per
-  sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: the median
-  of the newest GPU result in bench/results/ with an MFU, else ASSUMED_MFU. Generating the completions
+  sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: from the newest
+  GPU result in bench/results/ with an MFU, the experiment's own step where it was measured, else the median of
+  them all (`measured_mfu`); with none, ASSUMED_MFU. Generating the completions
   (the same in both modes) is not counted.
 """
 
@@ -75,8 +76,13 @@ def count_prompts(data: dict) -> int | None:
     return min(n, data["limit"]) if data.get("limit") else n
 
 
-def measured_mfu(results: Path = RESULTS) -> tuple[float, str] | None:
-    """(median MFU, which file) of the newest result JSON from a GPU (device not cpu) holding "mfu" values."""
+def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tuple[float, str] | None:
+    """(MFU, where it is from), from the GPU results in `results` (files whose "device" is not cpu, named by date):
+    with `experiment`, its own step where one was measured (a check whose "shape" starts with the overrides it ran,
+    `experiment=<name>` among them: bench/gpu.py's preset_step), of the newest date that has one, a step timed
+    alone ("alone": true) before one timed beside other checks; else the median of the "mfu" values of the newest
+    file holding any. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28, its
+    DFlash 2 drafter's at 0.20 alone and 0.15 beside other checks: a plan for a preset counts its own.)"""
     def found(x):
         if isinstance(x, dict):
             for k, v in x.items():
@@ -88,15 +94,31 @@ def measured_mfu(results: Path = RESULTS) -> tuple[float, str] | None:
             for v in x:
                 yield from found(v)
 
+    def own(x, name="a step"):  # (alone, check name, mfu) of each step measured at the experiment's shape
+        if isinstance(x, dict):
+            shape, mfu = x.get("shape"), x.get("mfu")
+            if isinstance(shape, str) and f"experiment={experiment}" in shape.partition(":")[0].split() \
+                    and isinstance(mfu, (int, float)) and mfu > 0:
+                yield bool(x.get("alone")), name, float(mfu)
+            for k, v in x.items():
+                yield from own(v, k)
+
+    median, steps = None, []
     for path in sorted(results.glob("*.json"), reverse=True):  # the names start with the date
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         mfus = list(found(data)) if isinstance(data, dict) and data.get("device", "cpu") != "cpu" else []
-        if mfus:
-            return statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}"
-    return None
+        if mfus and median is None:
+            median = statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}"
+        if mfus and experiment:
+            steps += [(path.name[:10], alone, name, mfu, path.name) for alone, name, mfu in own(data)]
+    if steps:
+        date, alone, name, mfu, file = max(steps, key=lambda t: t[:2])
+        return mfu, (f"measured: {name}, experiment={experiment}'s step{' alone' if alone else ''}, in "
+                     f"bench/results/{file}")
+    return median
 
 
 def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:

@@ -195,6 +195,7 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     report = run_all(names, 300, tmp_path / "results", run_plan(names))
     checks = report["checks"]
     assert [checks[n]["status"] for n in names] == ["PASS", "FAIL", "FAIL", "PASS"]
+    assert all(checks[n]["alone"] for n in names)  # on CPU one by one: each had the machine to itself
     killed, broken = checks[names[1]], checks[names[2]]
     assert killed["summary"].startswith("timed out after 15 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
     logs = tmp_path / "out" / "gpu-check-logs"

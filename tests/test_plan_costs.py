@@ -109,6 +109,33 @@ def test_the_mfu_is_the_newest_gpu_results(tmp_path):
     assert plan_costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json")
 
 
+def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
+    """The first H200's Qwen3-8B-size steps ran at MFU 0.33, the Qwen3.6-27B drafter's at 0.28 and its DFlash 2
+    drafter's at 0.15 beside other checks and 0.20 alone (in a second file): a plan for a preset whose step was
+    measured takes that step's MFU, alone before beside (a prefix of another preset's name does not match);
+    every other plan the median of the newest file."""
+    gpu = {"device": "cuda", "checks": {
+        "flex_train_step": {"shape": "drafter 5 layers at 4096 hidden", "lengths": {"1024": {"mfu": 0.33},
+                                                                                      "3072": {"mfu": 0.33}}},
+        "qwen3_6_step": {"shape": "experiment=qwen3_6_27b train.mode=offline: drafter 5 layers", "mfu": 0.28},
+        "qwen3_6_dflash2_step": {"shape": "experiment=qwen3_6_27b_dflash2 train.mode=offline: drafter", "mfu": 0.15}}}
+    (tmp_path / "2026-12-04-nvidia-h200-gpu-check.json").write_text(json.dumps(gpu))
+    name = "bench/results/2026-12-04-nvidia-h200-gpu-check.json"
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b") == (
+        0.28, f"measured: qwen3_6_step, experiment=qwen3_6_27b's step, in {name}")
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2")[0] == 0.15
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_8b") == (pytest.approx(0.305), f"measured: median of 4 in {name}")
+    assert plan_costs.measured_mfu(tmp_path) == plan_costs.measured_mfu(tmp_path, "qwen3_8b")
+    rerun = {"device": "cuda", "checks": {"qwen3_6_dflash2_step_alone": {
+        "shape": "experiment=qwen3_6_27b_dflash2 train.mode=offline: drafter", "mfu": 0.2, "alone": True}}}
+    (tmp_path / "2026-12-04-nvidia-h200-gpu-check-rerun.json").write_text(json.dumps(rerun))
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2") == (
+        0.2, "measured: qwen3_6_dflash2_step_alone, experiment=qwen3_6_27b_dflash2's step alone, in "
+             "bench/results/2026-12-04-nvidia-h200-gpu-check-rerun.json")
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
+    assert plan_costs.measured_mfu(tmp_path)[1] == f"measured: median of 4 in {name}"  # the full check's file
+
+
 def test_the_run_reads_the_configured_data(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(7)))
