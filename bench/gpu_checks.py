@@ -317,9 +317,8 @@ def live_lossless(budget: float) -> dict:
               f"{r['seconds']} s", flush=True)
         save_partial(out)
 
-    # on CPU one short prompt per case: a smoke test of the same code
-    out = run(device, prompts=2, new_tokens=64, on_run=progress) if device.type == "cuda" else \
-        run(device, prompts=1, new_tokens=32, on_run=progress)
+    prompts, tokens = (2, 64) if device.type == "cuda" else (1, 32)  # on CPU a smoke test of the same code
+    out = run(device, prompts=prompts, new_tokens=tokens, on_run=progress)
     result = lossless_verdict(out)
     result["summary"] = f"on {device.type}: {result['summary']}"
     return result

@@ -9,8 +9,9 @@ default [80,141]), world_size (data-parallel processes; 1), allowance_gb (CUDA c
 fragmentation (share of the peak lost to the caching allocator; 0.1), sequences and tokens_per_sequence
 (the training data; default: the prompts data.prompts holds, else the DFlash paper's ~800K, and 1500
 tokens, the paper's ~1.2B tokens / 800K, at most data.max_length), mfu (default: measured on a GPU, from
-bench/results/: the experiment preset's own step where measured, else the median; with none, 0.35), peak_tflops (the GPU's dense bf16; 989, H100/H200) and disk_tb (room for a
-feature cache; 20). --json prints JSON.
+bench/results/: the experiment preset's own step where measured, else the median; with none, 0.35),
+peak_tflops (the GPU's dense bf16; 989, H100/H200) and disk_tb (room for a feature cache; 20). --json prints
+JSON.
 
 The drafter is built with build_drafter on the meta device at the real dimensions (exact parameter count,
 nothing allocated), the target likewise (online training keeps it whole on every GPU). The memory model and

@@ -83,25 +83,19 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
     alone ("alone": true) before one timed beside other checks; else the median of the "mfu" values of the newest
     file holding any. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28, its
     DFlash 2 drafter's at 0.20 alone and 0.15 beside other checks: a plan for a preset counts its own.)"""
-    def found(x):
+    def measured(x, name="a step"):  # (check name, result) of each dict in x holding an "mfu" > 0
         if isinstance(x, dict):
+            if isinstance(x.get("mfu"), (int, float)) and x["mfu"] > 0:
+                yield name, x
             for k, v in x.items():
-                if k == "mfu" and isinstance(v, (int, float)) and v > 0:
-                    yield float(v)
-                else:
-                    yield from found(v)
+                yield from measured(v, k)
         elif isinstance(x, list):
             for v in x:
-                yield from found(v)
+                yield from measured(v, name)
 
-    def own(x, name="a step"):  # (alone, check name, mfu) of each step measured at the experiment's shape
-        if isinstance(x, dict):
-            shape, mfu = x.get("shape"), x.get("mfu")
-            if isinstance(shape, str) and f"experiment={experiment}" in shape.partition(":")[0].split() \
-                    and isinstance(mfu, (int, float)) and mfu > 0:
-                yield bool(x.get("alone")), name, float(mfu)
-            for k, v in x.items():
-                yield from own(v, k)
+    def own(r) -> bool:  # measured at the experiment's shape: the overrides before the shape's ":" name it
+        shape = r.get("shape")
+        return isinstance(shape, str) and f"experiment={experiment}" in shape.partition(":")[0].split()
 
     median, steps = None, []
     for path in sorted(results.glob("*.json"), reverse=True):  # the names start with the date
@@ -109,11 +103,13 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        mfus = list(found(data)) if isinstance(data, dict) and data.get("device", "cpu") != "cpu" else []
-        if mfus and median is None:
+        found = list(measured(data)) if isinstance(data, dict) and data.get("device", "cpu") != "cpu" else []
+        if found and median is None:
+            mfus = [float(r["mfu"]) for _, r in found]
             median = statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}"
-        if mfus and experiment:
-            steps += [(path.name[:10], alone, name, mfu, path.name) for alone, name, mfu in own(data)]
+        if experiment:
+            steps += [(path.name[:10], bool(r.get("alone")), name, float(r["mfu"]), path.name)
+                      for name, r in found if own(r)]
     if steps:
         date, alone, name, mfu, file = max(steps, key=lambda t: t[:2])
         return mfu, (f"measured: {name}, experiment={experiment}'s step{' alone' if alone else ''}, in "
