@@ -166,7 +166,11 @@ class EvalConfig:
     is an upper bound (the other tokens are one bucket), at other temperatures the k tokens are renormalised
     (dflash.drafter.sampling.stored_probs)."""
     compare: list[str] = field(default_factory=list)
-    """Other drafter directories (z-lab layout) evaluated on exactly the same blocks."""
+    """Other drafter directories (z-lab layout) evaluated on exactly the same blocks, each a row labelled by its
+    folder's name or, where two drafters (the checkpoint too) share one, by the shortest end of their paths that
+    tells them apart (run_a/export, run_b/export); results in <eval dir>/compare/<label, '/' as '__'>/. name=path
+    sets a label ('eval.compare=["zlab=/models/b16"]', quoted for Hydra); a label two drafters would share is
+    refused (dflash.evaluate.runner.drafter_labels)."""
     suite: str | None = None
     """Benchmarks to evaluate, each reported on its own: zlab (the reference benchmark's five: gsm8k, math500,
     humaneval, mbpp, mt_bench), paper (the nine of the reference figures), math, code, chat, coding

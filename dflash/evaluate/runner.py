@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
 from dflash.drafter.model import flex_compile_count
-from dflash.errors import CheckpointError, NotFoundError
+from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suites
 from dflash.evaluate.plots import save_plots
 from dflash.evaluate.summary import log_eval, log_suite, print_suite, print_summary, reference_rows, train_gap
@@ -128,9 +129,8 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     path = resolve_checkpoint(run, job.checkpoint)
     check_complete(path)
     step = checkpoint_step(path)
-    drafters = {f"step{step}" if step is not None else path.name: (path, load_drafter(str(path)).float())}
-    for ref in job.eval.compare:
-        drafters[Path(ref).name] = (Path(ref), load_drafter(ref).float())
+    labelled = drafter_labels(path, f"step{step}" if step is not None else path.name, job.eval.compare)
+    drafters = {label: (p, load_drafter(str(p)).float()) for label, p in labelled}
     target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()], list(benches.values()))
     dtype = eval_dtype(job, target)
     for label, (p, d) in drafters.items():
@@ -144,7 +144,7 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     name = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "") + (
         f"-{tag}" if tag else "")
     main_out = RunLayout(run.path if run is not None else Path(job.run.root)).eval_dir(name)
-    outs = {label: main_out if label == first else main_out / "compare" / label for label in drafters}
+    outs = {label: main_out if label == first else main_out / "compare" / folder_name(label) for label in drafters}
     logged = run is not None and step is not None and training_manifest(path) is not None
     if job.eval.suite is not None:
         return evaluate_suite(job, benches, drafters, target, dist, extra, outs, run, step, logged)
@@ -154,7 +154,7 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
         if label == first and step is not None and job.eval.mode != "live":
             summary["metrics"].update(train_gap(run, step, summary["metrics"]))
         summaries[label] = summary
-        write_outputs(outs[label], records, summary, extra)
+        write_outputs(outs[label], records, summary, {**extra, "label": label, "drafter": str(p)})
     images = save_plots(main_out, summaries) if job.eval.plots else {}
     print_summary(summaries, job.eval.mode)
     if logged:
@@ -163,6 +163,62 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
         logger.finish()
     log.info("evaluation written to %s", main_out)
     return summaries[first]["metrics"]
+
+
+def drafter_labels(checkpoint: Path, own: str, compare: list[str]) -> list[tuple[str, Path]]:
+    """(label, folder) of the checkpoint, then of each eval.compare entry: the names of the summary's rows, of the
+    plots' curves and of each compared drafter's results (<eval dir>/compare/<folder_name(label)>/). The checkpoint
+    keeps `own` (step768) and a compared drafter its folder's name; where labels clash, each clashing drafter
+    takes one more folder of its path (run_a/export, run_b/export) until none do. `name=path` sets a compared
+    drafter's label (a name has no `/`; an entry that is an existing folder is a path, `=` or not). Two entries
+    that still share a label (the same folder twice, one name twice) are refused in one line, before anything
+    loads. Labels are compared as folder names, so two never share a results folder."""
+    # (how the user wrote it, folder, its labels shortest first)
+    entries = [(f"checkpoint={checkpoint}", checkpoint, list(dict.fromkeys([own, *_suffixes(checkpoint)])))]
+    for entry in compare:
+        name, named, rest = entry.partition("=")
+        if named and "/" not in name and not Path(entry).expanduser().is_dir():
+            if name in ("", ".", "..") or not rest:
+                raise ConfigError(f"eval.compare entry {entry!r}: expected name=path, a name (no '/') and a drafter "
+                                  f"folder, e.g. \"run_a=/runs/a/export\"")
+            entries.append((repr(entry), Path(rest).expanduser(), [name]))
+        else:
+            entries.append((repr(entry), Path(entry).expanduser(), _suffixes(Path(entry))))
+    level = [0] * len(entries)  # which of its labels each entry has now
+    while True:
+        groups: dict[str, list[int]] = {}
+        for i, (_, _, labels) in enumerate(entries):
+            groups.setdefault(folder_name(labels[level[i]]), []).append(i)
+        clashes = [g for g in groups.values() if len(g) > 1]
+        if not clashes:
+            return [(labels[level[i]], path) for i, (_, path, labels) in enumerate(entries)]
+        for group in clashes:
+            longer = [i for i in group if level[i] + 1 < len(entries[i][2])]
+            if not longer:
+                (a, path_a, labels_a), (b, path_b, labels_b) = entries[group[0]], entries[group[1]]
+                la, lb = labels_a[level[group[0]]], labels_b[level[group[1]]]
+                what = ("are the same folder" if _absolute(path_a) == _absolute(path_b) else
+                        f"would both be labelled {la!r}" if la == lb else
+                        f"would share a results folder ({la!r}, {lb!r})")
+                raise ConfigError(f"eval.compare: {a} and {b} {what}; name the compared drafters apart as name=path, "
+                                  f"e.g. eval.compare='[\"mine={path_b}\"]'")
+            for i in longer:
+                level[i] += 1
+
+
+def _absolute(path: Path) -> Path:
+    return Path(os.path.abspath(path.expanduser()))  # no symlinks resolved: the path as the user sees it
+
+
+def _suffixes(path: Path) -> list[str]:
+    """A folder's labels, shortest first: /runs/a/export -> export, a/export, runs/a/export."""
+    parts = _absolute(path).parts[1:]
+    return ["/".join(parts[-n:]) for n in range(1, len(parts) + 1)] or [str(path)]
+
+
+def folder_name(label: str) -> str:
+    """A label as one folder's name: run_a/export -> run_a__export."""
+    return label.replace("/", "__")
 
 
 def sampling_tag(cfg) -> str:
@@ -209,8 +265,9 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
     benchmarks (eval/<suite>/*), every prompt's tau, the references beside them and the train/eval gap; logged
     to the training run's W&B run when `logged`."""
     first = next(iter(drafters))
+    own = {label: {**extra, "label": label, "drafter": str(p)} for label, (p, _) in drafters.items()}
     for label in drafters:  # opens the folders: an earlier evaluation there is kept under a dated name
-        write_outputs(outs[label], [], {"suite": job.eval.suite, "complete": False}, extra)
+        write_outputs(outs[label], [], {"suite": job.eval.suite, "complete": False}, own[label])
     per: dict[str, dict[str, dict]] = {label: {} for label in drafters}
     for bench, bjob in benches.items():
         log.info("benchmark %s: %s", bench, bjob.eval.prompts)
@@ -218,7 +275,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
             records, summary = score(bjob, label, p, drafter, target, dist, extra["provenance_allowed"])
             if summary.get("mode") == "live":
                 summary["per_prompt"] = suites.live_per_prompt(records)
-            write_outputs(outs[label] / bench, records, summary, {**extra, "benchmark": bench,
+            write_outputs(outs[label] / bench, records, summary, {**own[label], "benchmark": bench,
                                                                   "prompts": bjob.eval.prompts})
             per[label][bench] = summary
         if job.eval.plots:
@@ -231,7 +288,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
         result["references"] = reference_rows(refs, result["benchmarks"])
         if label == first and step is not None and job.eval.mode != "live":
             result["metrics"].update(train_gap(run, step, suites.mean_metrics(result)))
-        write_json(outs[label] / "summary.json", {**result, **extra})
+        write_json(outs[label] / "summary.json", {**result, **own[label]})
         results[label] = result
     print_suite(results, job.eval.mode)
     if logged:

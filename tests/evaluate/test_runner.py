@@ -11,7 +11,7 @@ import torch
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.dist import Dist
 from dflash.drafter.build import build_drafter
-from dflash.errors import CacheError, CheckpointError, ProvenanceError
+from dflash.errors import CacheError, CheckpointError, ConfigError, ProvenanceError
 from dflash.evaluate import heldout
 from dflash.evaluate.runner import evaluate
 from dflash.evaluate.teacher_forced import summarize, teacher_forced
@@ -142,6 +142,29 @@ def test_reference_drafter_evaluates_next_to_the_checkpoint(trained, capsys):
     b = [json.loads(x)["anchor"] for x in (main / "compare/reference/blocks.jsonl").read_text().splitlines()]
     assert a == b  # exactly the same blocks
     assert list(run.glob("eval/step-000004.*")), "the earlier evaluation was kept, not overwritten"
+
+
+def test_compared_drafters_in_folders_of_one_name_each_keep_their_row_and_results(trained, capsys):
+    tmp, run = trained
+    a, b = tmp / "run_a" / "export", tmp / "run_b" / "export"
+    for step, folder in ((2, a), (4, b)):
+        shutil.copytree(run / "checkpoints" / f"step-00000{step}", folder, ignore=shutil.ignore_patterns("train_state"))
+    evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", f"eval.compare=[{a},{b}]"))
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:5]]
+    assert rows == ["step4", "run_a/export", "run_b/export"]
+    main = run / "eval" / "step-000004"
+    for label, folder in (("run_a/export", a), ("run_b/export", b)):
+        summary = json.loads((main / "compare" / label.replace("/", "__") / "summary.json").read_text())
+        assert (summary["label"], summary["drafter"]) == (label, str(folder))
+
+    def drafts(out):
+        return [json.loads(x)["draft_tokens"] for x in (out / "blocks.jsonl").read_text().splitlines()]
+    assert drafts(main / "compare" / "run_b__export") == drafts(main)  # step 4's weights: step 4's drafts
+    before = sorted(p.name for p in (run / "eval").iterdir())
+    with pytest.raises(ConfigError, match=r"^eval.compare: '.*run_a/export' and '.*run_a/export' are the same "
+                                          r"folder; name the compared drafters apart as name=path"):
+        evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", f"eval.compare=[{a},{a}]"))
+    assert sorted(p.name for p in (run / "eval").iterdir()) == before  # refused before anything was evaluated
 
 
 def test_foreign_drafter_directory_evaluates_without_a_run(trained):
