@@ -320,7 +320,8 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
                  f"heads {c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, hidden {c.hidden_size}, "
                  f"vocab {c.vocab_size}, B={drafter.block_size}, {L} tokens, {n} anchors, {setup.backend}, "
                  f"{'bf16 autocast' if autocast else 'float32'}",
-        "backend": setup.backend, "params": sum(p.numel() for p in drafter.parameters()),
+        "backend": setup.backend, "checkpointing": setup.checkpointing,  # bench.plan: is the recompute in the MFU
+        "params": sum(p.numel() for p in drafter.parameters()),
         "mask_kinds": len(set(drafter.layer_types)),
         "step_s": round(t, 4), "first_step_s": round(first, 2),
         "context_tokens_per_s": round(L / t, 1), "block_tokens_per_s": round(n * drafter.block_size / t, 1),

@@ -271,12 +271,12 @@ def make_run(job: dict, opts: dict, experiment: str | None = None) -> Run:
              else "the DFlash paper's ~800K: data.prompts is not at hand; sequences=N sets it")
     tokens = opts.get("tokens_per_sequence") or min(job["max_length"], round(PAPER_TOKENS / PAPER_SEQUENCES))
     measured = plan_costs.measured_mfu(experiment=experiment)
-    mfu, mfu_where = ((opts["mfu"], "mfu=") if opts.get("mfu") else measured if measured
-                      else (plan_costs.ASSUMED_MFU, Run.mfu_where))
+    mfu, mfu_where, recomputed = ((opts["mfu"], "mfu=", None) if opts.get("mfu") else measured if measured
+                                  else (plan_costs.ASSUMED_MFU, Run.mfu_where, False))
     train = job["train"]
     return Run(sequences=int(sequences), tokens_per_sequence=int(tokens), sequences_where=where,
                epochs=train.epochs, max_steps=train.max_steps, storage=job.get("storage", "bfloat16"),
-               peak_tflops=opts.get("peak_tflops", 989.0), mfu=mfu, mfu_where=mfu_where,
+               peak_tflops=opts.get("peak_tflops", 989.0), mfu=mfu, mfu_where=mfu_where, mfu_recomputed=recomputed,
                disk_tb=opts.get("disk_tb", 20.0))
 
 

@@ -10,17 +10,21 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   shared by every process of the node reading them and reclaimable, up to the checkpoint's size. Offline
   training reads only embed_tokens and lm_head; extraction loads the target as online training does.
 - GPU-hours: the drafter's model FLOPs of a sequence as bench/flops.py's `train_flops` counts them (what its
-  MFU is measured against), plus, with gradient checkpointing, the layers' forward again; the target's
+  MFU is measured against: model FLOPs over the step's time, a recompute not counted); the target's
   forward is 2 FLOPs per non-embedding parameter per token (of a MoE target, the parameters a token runs through:
   all but the experts it is not routed to; attention's share is ignored: ~1%), once per
   sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: from the newest
   GPU result in bench/results/ with an MFU, the experiment's own step where it was measured, else the median of
-  them all (`measured_mfu`); with none, ASSUMED_MFU. Generating the completions
-  (the same in both modes) is not counted.
+  the steps measured without gradient checkpointing (`measured_mfu`); with none, ASSUMED_MFU. Gradient
+  checkpointing runs the layers' forward again (`recompute_scale`): a step measured with it already spent that
+  time in its MFU, so the recompute is counted only where the plan checkpoints and the measured step did not
+  (and taken out where it is the other way round). Generating the completions (the same in both modes) is not
+  counted.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from dataclasses import dataclass, replace
@@ -51,6 +55,9 @@ class Run:
     peak_tflops: float = 989.0  # dense bf16 of an H100 / H200 SXM
     mfu: float = ASSUMED_MFU
     mfu_where: str = "assumed: no GPU result with an MFU in bench/results/"
+    # whether the step the MFU was measured on recomputed its layers (gradient checkpointing); None: as the planned
+    # step does (an MFU given with mfu=); the assumed one is taken as a step's without
+    mfu_recomputed: bool | None = False
     disk_tb: float = 20.0  # room for the feature cache: offline is recommended only when it fits
 
 
@@ -76,13 +83,15 @@ def count_prompts(data: dict) -> int | None:
     return min(n, data["limit"]) if data.get("limit") else n
 
 
-def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tuple[float, str] | None:
-    """(MFU, where it is from), from the GPU results in `results` (files whose "device" is not cpu, named by date):
-    with `experiment`, its own step where one was measured (a check whose "shape" starts with the overrides it ran,
-    `experiment=<name>` among them: bench/gpu.py's preset_step), of the newest date that has one, a step timed
-    alone ("alone": true) before one timed beside other checks; else the median of the "mfu" values of the newest
-    file holding any. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28, its
-    DFlash 2 drafter's at 0.20 alone and 0.15 beside other checks: a plan for a preset counts its own.)"""
+def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tuple[float, str, bool] | None:
+    """(MFU, where it is from, whether that step recomputed its layers), from the GPU results in `results` (files
+    whose "device" is not cpu, named by date): with `experiment`, its own step where one was measured (a check whose
+    "shape" starts with the overrides it ran, `experiment=<name>` among them: bench/gpu.py's preset_step), of the
+    newest date that has one, a step timed alone ("alone": true) before one timed beside other checks; else the
+    median of the "mfu" values of the newest file holding any, of its steps measured without gradient checkpointing
+    where it has such. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28,
+    its DFlash 2 drafter's at 0.20 alone and 0.15 beside other checks, both with gradient checkpointing as their
+    presets train: a plan for a preset counts its own.)"""
     def measured(x, name="a step"):  # (check name, result) of each dict in x holding an "mfu" > 0
         if isinstance(x, dict):
             if isinstance(x.get("mfu"), (int, float)) and x["mfu"] > 0:
@@ -93,9 +102,9 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
             for v in x:
                 yield from measured(v, name)
 
-    def own(r) -> bool:  # measured at the experiment's shape: the overrides before the shape's ":" name it
+    def overrides(r) -> list[str]:  # the overrides a preset step ran: its shape before the ":"
         shape = r.get("shape")
-        return isinstance(shape, str) and f"experiment={experiment}" in shape.partition(":")[0].split()
+        return shape.partition(":")[0].split() if isinstance(shape, str) else []
 
     median, steps = None, []
     for path in sorted(results.glob("*.json"), reverse=True):  # the names start with the date
@@ -103,18 +112,40 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        found = list(measured(data)) if isinstance(data, dict) and data.get("device", "cpu") != "cpu" else []
+        gpu = isinstance(data, dict) and data.get("device", "cpu") != "cpu"
+        found = [(name, r, recomputed(r, overrides(r))) for name, r in measured(data)] if gpu else []
+        plain = [r for _, r, ckpt in found if not ckpt]
         if found and median is None:
-            mfus = [float(r["mfu"]) for _, r in found]
-            median = statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}"
+            mfus = [float(r["mfu"]) for r in plain or [r for _, r, _ in found]]
+            median = (statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}",
+                      not plain)
         if experiment:
-            steps += [(path.name[:10], bool(r.get("alone")), name, float(r["mfu"]), path.name)
-                      for name, r in found if own(r)]
+            steps += [(path.name[:10], bool(r.get("alone")), name, float(r["mfu"]), path.name, ckpt)
+                      for name, r, ckpt in found if f"experiment={experiment}" in overrides(r)]
     if steps:
-        date, alone, name, mfu, file = max(steps, key=lambda t: t[:2])
+        date, alone, name, mfu, file, ckpt = max(steps, key=lambda t: t[:2])
         return mfu, (f"measured: {name}, experiment={experiment}'s step{' alone' if alone else ''}, in "
-                     f"bench/results/{file}")
+                     f"bench/results/{file}"), ckpt
     return median
+
+
+def recomputed(result: dict, overrides: list[str]) -> bool:
+    """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu.py's preset_step
+    records it), else what its overrides compose to (a preset step of an older result), else False (the flex
+    steps at Qwen3-8B size never checkpoint)."""
+    if isinstance(result.get("checkpointing"), bool):
+        return result["checkpointing"]
+    return bool(overrides) and all("=" in o for o in overrides) and _composed_checkpointing(tuple(overrides))
+
+
+@functools.cache
+def _composed_checkpointing(overrides: tuple[str, ...]) -> bool:
+    from bench.plan import compose  # bench.plan imports this module
+
+    try:
+        return bool(compose(list(overrides))["train"].gradient_checkpointing)
+    except Exception:  # noqa: BLE001 - overrides this checkout no longer composes: taken as a plain step
+        return False
 
 
 def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:
@@ -124,9 +155,10 @@ def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:
             "heads only (offline training)": s.heads_params * frozen}
 
 
-def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int, checkpointing: bool) -> dict[str, float]:
-    """FLOPs of one sequence of `tokens` tokens, all response, `num_anchors` blocks spread over it:
-    {"drafter": the training step's, "target": the target's forward}."""
+def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int) -> dict[str, float]:
+    """FLOPs of one sequence of `tokens` tokens, all response, `num_anchors` blocks spread over it: {"drafter": the
+    training step's model FLOPs, "recompute": the layers' forward again (what gradient checkpointing adds: a third
+    of what their forward and backward cost), "target": the target's forward}."""
     from types import SimpleNamespace
 
     import torch
@@ -139,29 +171,42 @@ def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int, checkpointi
     blocks = pack_blocks(ids, torch.ones(1, tokens, dtype=torch.bool), torch.tensor([tokens]),
                          [torch.linspace(0, tokens - 2, n).round().long()], s.block_size, 0)
     f = train_flops(drafter, blocks)
+    # what is not the layers': train_flops of the drafter without them
+    rest = train_flops(SimpleNamespace(config=drafter.config, block_size=drafter.block_size, fc=drafter.fc,
+                                       layers=(), layer_types=()), blocks)
     drafter_flops = f["matmul"] + f["attention"]
-    if checkpointing:  # the layers' forward once more: a third of what their forward and backward cost
-        # (what is not the layers': train_flops of the drafter without them)
-        rest = train_flops(SimpleNamespace(config=drafter.config, block_size=drafter.block_size, fc=drafter.fc,
-                                           layers=(), layer_types=()), blocks)
-        drafter_flops += (drafter_flops - rest["matmul"] - rest["attention"]) / 3
     active = s.target_active_params or s.target_params  # MoE: the experts a token is routed to
-    return {"drafter": drafter_flops, "target": 2 * (active - s.heads_params) * tokens}
+    return {"drafter": drafter_flops, "recompute": (drafter_flops - rest["matmul"] - rest["attention"]) / 3,
+            "target": 2 * (active - s.heads_params) * tokens}
+
+
+def recompute_scale(per: dict[str, float], planned: bool, measured: bool) -> float:
+    """What the drafter's model FLOPs are multiplied by for the time they take at an MFU measured on a step that
+    recomputed its layers (`measured`) or not, when the planned step does (`planned`) or not. An MFU is model FLOPs
+    over the step's time, so a step that recomputes did its model FLOPs and the recompute in that time: at the same
+    hardware rate the planned step takes (model + its recompute) / (model + the measured one's), the recompute's
+    share taken at the planned shape. 1 when both or neither recompute."""
+    model, extra = per["drafter"], per["recompute"]
+    return (model + extra * planned) / (model + extra * measured)
 
 
 def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:
     """GPU-hours of the run, offline (extraction once, then training) and online (target every epoch)."""
-    per = sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors, u.checkpointing)
+    per = sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
+    measured = u.checkpointing if run.mfu_recomputed is None else run.mfu_recomputed
+    drafter_flops = per["drafter"] * recompute_scale(per, u.checkpointing, measured)
     trained = (run.max_steps * u.batch * u.grad_accum * u.world if run.max_steps
                else run.epochs * run.sequences)
     rate = run.peak_tflops * 1e12 * run.mfu * 3600  # FLOPs a GPU-hour
     extraction = run.sequences * per["target"] / rate
-    return {"offline": {"extraction": extraction, "training": trained * per["drafter"] / rate,
-                        "total": extraction + trained * per["drafter"] / rate},
-            "online": {"extraction": 0.0, "training": trained * (per["drafter"] + per["target"]) / rate,
-                       "total": trained * (per["drafter"] + per["target"]) / rate},
+    return {"offline": {"extraction": extraction, "training": trained * drafter_flops / rate,
+                        "total": extraction + trained * drafter_flops / rate},
+            "online": {"extraction": 0.0, "training": trained * (drafter_flops + per["target"]) / rate,
+                       "total": trained * (drafter_flops + per["target"]) / rate},
             "flops_per_token": {"drafter": per["drafter"] / run.tokens_per_sequence,
-                                "target forward": per["target"] / run.tokens_per_sequence}}
+                                "recompute": per["recompute"] * u.checkpointing / run.tokens_per_sequence,
+                                "target forward": per["target"] / run.tokens_per_sequence},
+            "recompute_scale": drafter_flops / per["drafter"]}
 
 
 def fitting_setup(s: Shape, u: Setup, budget: float) -> dict:
@@ -222,7 +267,8 @@ def render_run(r: dict, world: int) -> list[str]:
     ]
     head = (f"the run: {r['sequences']} sequences ({r['sequences_where']}) x {r['tokens_per_sequence']} tokens, "
             f"{steps}; MFU {r['mfu']:.0%} ({r['mfu_where']}), {r['peak_tflops']:g} TFLOP/s bf16 a GPU; FLOPs a "
-            f"token: drafter step {per_token['drafter']:.3g}, target forward {per_token['target forward']:.3g}")
+            f"token: drafter step {per_token['drafter']:.3g}{recompute_words(h)}, target forward "
+            f"{per_token['target forward']:.3g}")
     lines = ["", head]
     for name, offline, online in rows:
         lines += [f"  {name:<32} offline  {offline}", f"  {'':<32} online   {online}"]
@@ -239,3 +285,13 @@ def describe(f: dict) -> str:
         return "fits no set-up"
     ckpt = ", gradient checkpointing" if f["checkpointing"] else ""
     return f"{f['distributed']}{ckpt}, num_anchors {f['num_anchors']}, peak {f['peak']:.1f} GiB"
+
+
+def recompute_words(h: dict) -> str:
+    """What gpu_hours did about gradient checkpointing's recompute, in words for render_run."""
+    extra, scale = h["flops_per_token"]["recompute"], h["recompute_scale"]
+    if extra and scale > 1:
+        return f" (+{extra:.3g} recomputed, counted: the MFU's step did not recompute)"
+    if extra:
+        return f" (+{extra:.3g} recomputed, already in the time of the MFU's step, which recomputed too)"
+    return f" (the MFU's step recomputed: its time x{scale:.3f} without)" if scale < 1 else ""

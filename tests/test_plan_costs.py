@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from bench import plan, plan_costs
+from bench.flops import train_flops
 from bench.plan_costs import Run
 from bench.plan_memory import max_anchors
 from tests.conftest import REPO
@@ -68,33 +69,67 @@ def test_the_loading_bound_holds_a_measured_load(tmp_path):
     assert measure(tmp_path, "meta", "bfloat16")["peak_anon"] <= bound
 
 
+def spread_blocks(tokens: int, anchors: int, block_size: int = 16):
+    """One sequence of `tokens` response tokens with `anchors` blocks spread evenly, as bench.plan assumes."""
+    from dflash.drafter.blocks import pack_blocks
+
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    return pack_blocks(ids, torch.ones(1, tokens, dtype=torch.bool), torch.tensor([tokens]),
+                       [torch.linspace(0, tokens - 2, anchors).round().long()], block_size, 0)
+
+
 def test_gpu_hours_are_tokens_times_flops_at_the_mfu():
     """Offline: one target forward a sequence (extraction) and the drafter's steps; online: the target's
     forward every epoch. The drafter's FLOPs are bench/flops.py's train_flops (what its MFU is measured
-    against); checkpointing adds the layers' forward once more."""
-    from bench.flops import train_flops
-    from dflash.drafter.blocks import pack_blocks
-
+    against); checkpointing adds the layers' forward once more, at an MFU measured on a step without it."""
     job = plan.compose(["experiment=qwen3_6_27b", "train.gradient_checkpointing=false"])
     drafter, s, u = plan.build(job, world=8)
     run = plan.make_run(job, PAPER)
     h = plan_costs.gpu_hours(drafter, s, u, run)
     T, N = 1500, run.sequences
     target = 2 * (s.target_params - s.heads_params) * T  # 2 FLOPs a non-embedding parameter a token
-    ids = torch.zeros(1, T, dtype=torch.long)
-    blocks = pack_blocks(ids, torch.ones(1, T, dtype=torch.bool), torch.tensor([T]),
-                         [torch.linspace(0, T - 2, 512).round().long()], 16, 0)
-    step = sum(train_flops(drafter, blocks).values())
+    step = sum(train_flops(drafter, spread_blocks(T, 512)).values())
     rate = 989e12 * 0.35 * 3600
-    assert h["flops_per_token"] == {"drafter": step / T, "target forward": target / T}
+    assert h["flops_per_token"] == {"drafter": step / T, "recompute": 0, "target forward": target / T}
     assert h["offline"]["extraction"] == pytest.approx(N * target / rate)
     assert h["offline"]["training"] == pytest.approx(6 * N * step / rate)
     assert h["online"]["total"] == pytest.approx(6 * N * (step + target) / rate)
     assert 500 < h["offline"]["total"] < h["online"]["total"] < 800
-    ckpt = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), run)
+    ckpt = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), replace(run, mfu_recomputed=False))
     assert 1.15 < ckpt["offline"]["training"] / h["offline"]["training"] < 4 / 3
+    assert plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), run)["offline"] == h["offline"]  # mfu=
     steps = plan_costs.gpu_hours(drafter, s, u, replace(run, max_steps=1000))  # 1000 x 8 processes x 1 sequence
     assert steps["offline"]["training"] == pytest.approx(8000 * step / rate)
+
+
+def test_a_checkpointed_step_is_not_charged_its_recompute_twice(tmp_path, monkeypatch):
+    """An MFU is model FLOPs (no recompute) over the step's time: the Qwen3.6-27B preset's step, measured with
+    gradient checkpointing as the preset trains, already spent its recompute in that time. Its plan's training
+    hours are its model FLOPs at that MFU (they were 1.2x that: the recompute counted again); a plan without
+    checkpointing at the same MFU takes less (no recompute to spend); an MFU given with mfu= is taken as the
+    planned step's own."""
+    job = plan.compose(["experiment=qwen3_6_27b"])
+    drafter, s, u = plan.build(job, world=8)
+    assert u.checkpointing
+    result = {"device": "cuda", "checks": {"qwen3_6_step": {
+        "shape": "experiment=qwen3_6_27b train.mode=offline: drafter 5 layers", "mfu": 0.28}}}
+    (tmp_path / "2026-12-04-h200-gpu-check.json").write_text(json.dumps(result))
+    real = plan_costs.measured_mfu
+    monkeypatch.setattr(plan_costs, "measured_mfu", lambda experiment=None: real(tmp_path, experiment))
+    run = plan.make_run(job, {"sequences": 0, "tokens_per_sequence": 0}, "qwen3_6_27b")
+    step = sum(train_flops(drafter, spread_blocks(run.tokens_per_sequence, u.num_anchors)).values())
+    h = plan_costs.gpu_hours(drafter, s, u, run)
+    assert h["offline"]["training"] == pytest.approx(6 * run.sequences * step / (989e12 * 0.28 * 3600))
+    assert (run.mfu, run.mfu_recomputed) == (0.28, True)  # the preset checkpoints: its overrides say so
+    per = plan_costs.sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
+    assert h["recompute_scale"] == 1 and 0.15 < per["recompute"] / per["drafter"] < 1 / 3
+    plain = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=False), run)
+    assert plain["offline"]["training"] == pytest.approx(h["offline"]["training"] * per["drafter"] / (
+        per["drafter"] + per["recompute"]))
+    given = plan_costs.gpu_hours(drafter, s, u, replace(run, mfu_recomputed=None))
+    assert given["offline"]["training"] == pytest.approx(h["offline"]["training"])
+    text = "\n".join(plan_costs.render_run(plan.make_plan(s, u, [80], drafter, run)["run"], 8))
+    assert "recomputed, already in the time of the MFU's step" in text
 
 
 def test_the_mfu_is_the_newest_gpu_results(tmp_path):
@@ -106,14 +141,16 @@ def test_the_mfu_is_the_newest_gpu_results(tmp_path):
         "mfu": 0.4}, "4096": {"mfu": None}}}, "q36": {"mfu": 0.5}}}
     (tmp_path / "2026-12-03-h100.json").write_text(json.dumps(gpu))
     (tmp_path / "2026-11-30-h100.json").write_text(json.dumps({"device": "cuda", "mfu": 0.1}))
-    assert plan_costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json")
+    assert plan_costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json",
+                                                 False)
 
 
 def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
     """The first H200's Qwen3-8B-size steps ran at MFU 0.33, the Qwen3.6-27B drafter's at 0.28 and its DFlash 2
     drafter's at 0.15 beside other checks and 0.20 alone (in a second file): a plan for a preset whose step was
-    measured takes that step's MFU, alone before beside (a prefix of another preset's name does not match);
-    every other plan the median of the newest file."""
+    measured takes that step's MFU, alone before beside (a prefix of another preset's name does not match), and
+    whether it recomputed (those presets checkpoint); every other plan the median of the newest file's steps
+    that did not recompute."""
     gpu = {"device": "cuda", "checks": {
         "flex_train_step": {"shape": "drafter 5 layers at 4096 hidden", "lengths": {"1024": {"mfu": 0.33},
                                                                                       "3072": {"mfu": 0.33}}},
@@ -122,18 +159,22 @@ def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
     (tmp_path / "2026-12-04-nvidia-h200-gpu-check.json").write_text(json.dumps(gpu))
     name = "bench/results/2026-12-04-nvidia-h200-gpu-check.json"
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b") == (
-        0.28, f"measured: qwen3_6_step, experiment=qwen3_6_27b's step, in {name}")
+        0.28, f"measured: qwen3_6_step, experiment=qwen3_6_27b's step, in {name}", True)
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2")[0] == 0.15
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_8b") == (pytest.approx(0.305), f"measured: median of 4 in {name}")
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_8b") == (0.33, f"measured: median of 2 in {name}", False)
     assert plan_costs.measured_mfu(tmp_path) == plan_costs.measured_mfu(tmp_path, "qwen3_8b")
     rerun = {"device": "cuda", "checks": {"qwen3_6_dflash2_step_alone": {
         "shape": "experiment=qwen3_6_27b_dflash2 train.mode=offline: drafter", "mfu": 0.2, "alone": True}}}
     (tmp_path / "2026-12-04-nvidia-h200-gpu-check-rerun.json").write_text(json.dumps(rerun))
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2") == (
         0.2, "measured: qwen3_6_dflash2_step_alone, experiment=qwen3_6_27b_dflash2's step alone, in "
-             "bench/results/2026-12-04-nvidia-h200-gpu-check-rerun.json")
+             "bench/results/2026-12-04-nvidia-h200-gpu-check-rerun.json", True)
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
-    assert plan_costs.measured_mfu(tmp_path)[1] == f"measured: median of 4 in {name}"  # the full check's file
+    assert plan_costs.measured_mfu(tmp_path)[1] == f"measured: median of 2 in {name}"  # the full check's file
+    recorded = {"device": "cuda", "checks": {"qwen3_6_step": {"shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.3,
+                                                              "checkpointing": False, "alone": True}}}
+    (tmp_path / "2026-12-05-nvidia-h200-gpu-check.json").write_text(json.dumps(recorded))
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[::2] == (0.3, False)  # as preset_step recorded it
 
 
 def test_the_run_reads_the_configured_data(tmp_path):
@@ -200,6 +241,6 @@ def test_the_command_line_prints_the_run_side_by_side(capsys):
         assert line in text, line
     plan.main(["experiment=qwen3_8b", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert set(out["run"]["gpu_hours"]) == {"offline", "online", "flops_per_token"}
+    assert set(out["run"]["gpu_hours"]) == {"offline", "online", "flops_per_token", "recompute_scale"}
     assert Path(plan_costs.RESULTS).name == "results"
     assert isinstance(Run(sequences=1, tokens_per_sequence=1, sequences_where="x").disk_tb, float)
