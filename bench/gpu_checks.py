@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_runner import REPO, run_all, save_partial
+from bench.gpu_verdicts import flex_verdict, kernel_verdict, lossless_verdict, preset_verdict
 from dflash.io import write_json
 
 RESULTS = Path(__file__).parent / "results"
@@ -34,12 +35,9 @@ RESULTS = Path(__file__).parent / "results"
 # context is padded to a multiple of 256), each right after its partner, so a reused graph is checked
 # early and costs no compile
 FLEX_LENGTHS = [3072, 4096, 3000, 2048, 2000, 1024, 1000, 1500]
-RECIPE_LENGTH = 3072
 FLEX_ANCHORS = 512
 LOSS_REL_TOL = 1e-2  # bf16 autocast against float32: see autocast_loss
 GRAD_COS_MIN = 0.99
-PLAN_TOL = 0.15  # bench.plan's peak against the measured one (tests/test_plan.py holds it to this on CPU)
-BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of bf16 logits (eval.tie_margin null)
 
 # check -> time limit in seconds on an H200: the three timing checks alone, one after the other (each pays
 # a cold compile of flex attention; on the first H200 they took 46 s, 31 s and 26 s), then the rest side by side
@@ -79,48 +77,6 @@ def gpu_tests(budget: float) -> dict:
             "counts": counts, "tail": lines[-40:]}
 
 
-def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> dict:
-    """PASS or FAIL for bench.gpu.flex_lengths' results, by dynamo's own counts: FAIL when a length of an
-    already compiled padded shape compiled a graph (a recompile: each batch would pay it again), when a
-    step after a length's first compiled anything, when the recompile limit was hit (flex then runs
-    uncompiled), when a new shape compiled nothing under flex (it ran uncompiled), when the recipe's
-    length was not measured, or when no measured length reused a shape (the reuse went untested)."""
-    rec, why = out["lengths"], []
-    if out["recompile_limit_hits"]:
-        why.append(f"recompile limit hit: {out['recompile_limit_hits'][0]}")
-    again = {L: r for L, r in rec.items() if r["timed_steps_compiled"]["graphs"]
-             or (not r["new_shape"] and r["first_step_compiled"]["graphs"])}
-    if again:
-        why.append("recompiled a compiled shape: " + ", ".join(
-            f"{L} ({r['first_step_compiled']['graphs'] * (not r['new_shape'])} graphs in its first step, "
-            f"{r['timed_steps_compiled']['graphs']} in the steps after)" for L, r in again.items())
-            + (f"; dynamo: {out['recompile_reasons'][-1]}" if out.get("recompile_reasons") else ""))
-    new = {L: r for L, r in rec.items() if r["new_shape"]}
-    if flex and any(r["first_step_compiled"]["graphs"] == 0 for r in new.values()):
-        uncompiled = [L for L, r in new.items() if not r["first_step_compiled"]["graphs"]]
-        why.append(f"no graph compiled for a new shape ({uncompiled}): flex ran uncompiled")
-    if recipe not in rec:
-        why.append(f"the recipe's length {recipe} was not measured")
-    reused = [L for L, r in rec.items() if not r["new_shape"]]
-    if rec and not reused:
-        why.append("no measured length reused a compiled shape: graph reuse went untested")
-    r = list(rec.values())
-    best = max(r, key=lambda x: x["tflops"]) if r else {}
-    mfus = [x["mfu"] for x in r if x["mfu"] is not None]
-    peaks = [x["peak_memory_gib"] for x in r if x["peak_memory_gib"] is not None]
-    c = out["compiles"]
-    figures = (f"{len(rec)}/{len(rec) + len(out['skipped'])} lengths ({', '.join(map(str, rec))})"
-               + (f", skipped for time {sorted(out['skipped'])}" if out["skipped"] else "")
-               + f", {min((x['context_tokens_per_s'] for x in r), default=0):.0f}-"
-                 f"{max((x['context_tokens_per_s'] for x in r), default=0):.0f} context tok/s, "
-                 f"{best.get('tflops', 0)} TFLOP/s best, "
-               + (f"mfu {min(mfus):.3f}-{max(mfus):.3f}" if mfus else "mfu n/a")
-               + f", peak {max(peaks, default=0)} GiB; dynamo: {c['dynamo_graphs']} graphs, {c['dynamo_recompiles']} "
-                 f"recompiles for {len(new)} new shapes, 0 expected for the {len(reused)} reused "
-                 f"({', '.join(map(str, reused)) or 'none'}); dflash's flex count {c['flex_compile_count']}")
-    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
-
-
 def flex_train_step(budget: float) -> dict:
     """Compiled flex training steps at Qwen3-8B drafter size over FLEX_LENGTHS within the budget (the
     recipe's lengths first): tokens/s, MFU, peak memory, and graph reuse judged by `flex_verdict`."""
@@ -130,29 +86,6 @@ def flex_train_step(budget: float) -> dict:
     from bench.gpu import flex_lengths
 
     return flex_verdict(flex_lengths(FLEX_LENGTHS, FLEX_ANCHORS, budget, device, on_length=save_partial))
-
-
-def preset_verdict(out: dict) -> dict:
-    """PASS when bench.plan's peak is within PLAN_TOL of the measured one, nothing compiled after the
-    first step, the recompile limit was not hit and (under flex) the first step compiled."""
-    why, ratio = [], out["plan_over_measured"]
-    if abs(ratio - 1) > PLAN_TOL:
-        why.append(f"bench.plan's peak {out['plan_peak_gib']} GiB ({out['plan_phase']}) is {ratio:.3f}x the measured "
-                   f"{out['peak_memory_gib']} GiB (tolerance {PLAN_TOL:.0%}): correct the plan's terms")
-    if out["timed_steps_compiled"]["graphs"]:
-        why.append(f"{out['timed_steps_compiled']['graphs']} graphs compiled after the first step (a recompile of "
-                   f"the same shape)" + (f": {out['recompile_reasons'][-1]}" if out["recompile_reasons"] else ""))
-    if out["recompile_limit_hits"]:
-        why.append(f"recompile limit hit: {out['recompile_limit_hits'][0]}")
-    if out["backend"] == "flex" and not out["first_step_compiled"]["graphs"]:
-        why.append("the first step compiled no graph: flex ran uncompiled")
-    figures = (f"{out['shape']}: {out['context_tokens_per_s']:.0f} context tok/s ({out['block_tokens_per_s']:.0f} "
-               f"block tok/s), {out['tflops']} TFLOP/s, "
-               + (f"mfu {out['mfu']}" if out["mfu"] is not None else "mfu n/a")
-               + f", first step {out['first_step_s']} s; dynamo: {out['first_step_compiled']['graphs']} graphs for "
-                 f"{out['mask_kinds']} mask kinds, {out['timed_steps_compiled']['graphs']} after; peak "
-                 f"{out['peak_memory_gib']} GiB, plan {out['plan_peak_gib']} GiB (x{ratio}, {out['plan_phase']})")
-    return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
 
 
 def qwen3_6_step(budget: float) -> dict:
@@ -203,45 +136,6 @@ def autocast_loss(budget: float) -> dict:
     return {"status": "PASS" if ok else "FAIL", "summary": figures, **out}
 
 
-def kernel_verdict(out: dict, label: str) -> tuple[list[str], str]:
-    """(why it fails, figures) for bench.gpu_target.extraction_kernels' results. Fails when transformers
-    did not bind fla; when fla's bf16 error against the float32 reference is not of the size of the
-    fallback's own bf16 error (mean within 5x, max within 10x: fla keeps more intermediates in bf16, so it
-    may round a few times more, while a wrong kernel is off by the size of the output itself); or when fla
-    in float32 fails, or is further from the reference than the fallback in bf16 (TF32 dots round far
-    less than bf16; a wrong kernel does not)."""
-    why = []
-    if out["kernels"].get("linear_attention") != "fla":
-        try:  # why transformers fell back: it swallows the import error
-            import fla  # noqa: F401
-            reason = "fla imports; transformers did not bind it"
-        except Exception as e:  # noqa: BLE001 - reported, not handled
-            reason = f"import fla fails: {type(e).__name__}: {e}"
-        why.append(f"{label}: fla is not bound ({out['kernels']}); {reason}")
-    elif out["deltanet_max_abs_diff"] == 0:
-        why.append(f"{label}: fla and the fallback agree to the bit: the swap to the fallback "
-                   f"({out['fallback_swapped']}) changed nothing")
-    floor = 1e-6 * out["deltanet_rms"]
-    ratio = {k: out[f"deltanet_bound_err_{k}"] / max(out[f"deltanet_fallback_err_{k}"], floor) for k in ("mean", "max")}
-    if ratio["mean"] > 5 or ratio["max"] > 10:
-        why.append(f"{label}: fla's bf16 error against float32 is {ratio['mean']:.1f}x (mean) / {ratio['max']:.1f}x "
-                   f"(max) the fallback's")
-    if "float32_error" in out:
-        why.append(f"{label}: the bound kernels fail in float32: {out['float32_error']}")
-    elif out["deltanet_bound_float32_err_max"] > out["deltanet_fallback_err_max"]:
-        why.append(f"{label}: in float32 the bound kernels are {out['deltanet_bound_float32_err_max']:.3g} (max) off "
-                   f"the reference, more than the fallback in bf16 ({out['deltanet_fallback_err_max']:.3g})")
-    rms = out["features_rms"]
-    f32 = out.get("features_max_abs_diff_float32")
-    figures = (f"{label} ({out['shape']}): kernels {','.join(f'{k}={v}' for k, v in sorted(out['kernels'].items()))}; "
-               f"max feature diff bound vs fallback: bf16 {out['features_max_abs_diff']:.3g}, float32 "
-               + (f"{f32:.3g}" if f32 is not None else "n/a") + f" (feature rms {rms:.3g}); DeltaNet output max diff "
-               f"{out['deltanet_max_abs_diff'] / out['deltanet_rms']:.3g} of its rms; error vs fp32, bound over "
-               f"fallback: {ratio['mean']:.2f}x mean, {ratio['max']:.2f}x max; fallback "
-               f"{out['fallback_over_bound']}x slower")
-    return why, figures
-
-
 def fla_kernels(budget: float) -> dict:
     """fla against the PyTorch fallback on the tiny hybrid target and on a mid-size one with the real
     head dims (bench.gpu_target.mid_hybrid_config), judged by `kernel_verdict`."""
@@ -268,39 +162,6 @@ def fla_kernels(budget: float) -> dict:
         why += w
         parts.append(figures)
     return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why + parts), "tiny": tiny, "mid": mid}
-
-
-def lossless_verdict(out: dict) -> dict:
-    """float32: every speculative run must equal plain greedy decoding exactly. bf16: every divergence is
-    listed with the target's top-2 logit margin there, and fails unless it is a numerical tie (margin
-    under BF16_TIE_MARGIN: batched and one-token bf16 forwards round differently). Either dtype fails
-    when an oracle drafter had nothing accepted (the accepting paths went unexercised)."""
-    runs, why, parts = out["runs"], [], []
-
-    def where(r):
-        d = r["divergence"]
-        margin = "n/a" if d["margin"] is None else f"{d['margin']:.3g}"
-        return (f"{r['target']}/{r['prompt']}/{r['drafter']}" + (f"/tree{r['tree_budget']}" if r["tree_budget"] else "")
-                + f" at token {d['at']} (plain {d['plain']}, spec {d['spec']}, margin {margin})")
-
-    for dtype in dict.fromkeys(r["dtype"] for r in runs):
-        rs = [r for r in runs if r["dtype"] == dtype]
-        diverged = [r for r in rs if not r["identical"]]
-        oracle = [r["tau"] for r in rs if r["drafter"] == "oracle"]
-        parts.append(f"{dtype} {len(rs) - len(diverged)}/{len(rs)} identical, oracle tau "
-                     f"{sum(oracle) / len(oracle):.2f}"
-                     + (f", divergences: {'; '.join(map(where, diverged))}" if diverged else ""))
-        if dtype == "float32" and diverged:
-            why.append(f"float32: {len(diverged)} runs differ from plain greedy decoding (must be identical)")
-        clear = [r for r in diverged if r["divergence"]["margin"] is None
-                 or r["divergence"]["margin"] >= BF16_TIE_MARGIN]
-        if dtype != "float32" and clear:
-            why.append(f"{dtype}: {len(clear)} divergences at a clear logit margin (>= {BF16_TIE_MARGIN}): not a tie")
-        if any(t <= 1 for t in oracle):
-            why.append(f"{dtype}: an oracle drafter had nothing accepted")
-    kernels = next((r["kernels"] for r in runs if r["target"] == "toy"), {})
-    return {"status": "FAIL" if why else "PASS",
-            "summary": "; ".join(why) + (": " if why else "") + "; ".join(parts) + f"; toy kernels {kernels}", **out}
 
 
 def live_lossless(budget: float) -> dict:

@@ -48,7 +48,8 @@ def test_flex_lengths_run_the_recipe_first_and_project_a_compile_from_the_last_o
     projected from that compile (paid once, not 1.5x the whole first length as before), a length of a
     compiled shape costs no compile, and once a warm compile is measured it is what is projected."""
     from bench.gpu import next_cost
-    from bench.gpu_checks import FLEX_LENGTHS, RECIPE_LENGTH
+    from bench.gpu_checks import FLEX_LENGTHS
+    from bench.gpu_verdicts import RECIPE_LENGTH
     from dflash.drafter.blocks import flex_padded_shape
 
     assert FLEX_LENGTHS[:2] == [RECIPE_LENGTH, 4096]
