@@ -152,6 +152,10 @@ class EvalConfig:
     """Nucleus sampling of target and drafter alike (1 = off); used when temperature > 0."""
     top_k: int = 0
     """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
+    selector_truncation: bool = False
+    """DFlash 2 at temperature > 0: apply top_p / top_k to the selector's K candidates too. Off (the default) draws
+    among them from softmax(score / temperature), as the z-lab reference decoder does, so that acceptance compares
+    with its; on is an extra, recorded in summary.json and in the metrics' namespace (eval/t1-p0.9-sel/...)."""
     verifier: str = "rejection"
     """Live mode at temperature > 0: rejection (speculative sampling: lossless, the acceptance servers get),
     seeded (exact match of the target's seeded draws: the output equals plain sampling token for token, and

@@ -12,7 +12,7 @@ target makes q closest to p, so it accepts the most.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,14 @@ def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     p = torch.softmax(logits, -1)
     return _nucleus(p, sampling.top_p) if sampling.top_p < 1 else p
+
+
+def candidate_sampling(sampling: Sampling, truncate: bool = False) -> Sampling:
+    """The transform DFlash 2's selector draws among its K candidates with: softmax(score / T) over them, as the
+    z-lab reference decoder draws (top-k and top-p off, so that acceptance compares with its), or `sampling` whole
+    when `truncate` (eval.selector_truncation) asks for its top-k / top-p on the candidates too. Either is
+    lossless: the verifier is given the q the drafts came from."""
+    return sampling if truncate else replace(sampling, top_p=1.0, top_k=0)
 
 
 def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dflash.data.stops import StopStrings
 from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import selector_tables, walk_path
-from dflash.drafter.sampling import Sampling, probs
+from dflash.drafter.sampling import Sampling, candidate_sampling, probs
 from dflash.evaluate.rules import Rule, make_rule, plain_sample
 from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
@@ -77,7 +77,8 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temper
 def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
                          seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
-                         verifier: str = "rejection", stop_strings: list[str] | None = None) -> SpecResult:
+                         verifier: str = "rejection", stop_strings: list[str] | None = None,
+                         selector_truncation: bool = False) -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -87,7 +88,9 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     A DFlash 2 drafter drafts its candidate selector's path (dflash.drafter.dflash2); tree="pairwise" builds
     its DDTree from the selector's pairwise scores (a child conditioned on its parent's token) instead of the
     per-slot marginals ("marginal").
-    temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling);
+    temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling), but
+    a DFlash 2 drafter draws among its K candidates from softmax(score / T), as the reference decoder does, and
+    applies top_p / top_k to them only with selector_truncation=True.
     verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
     to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
     sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
@@ -130,7 +133,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             tables = [t[0] for t in selector_tables(drafter.candidate_selector, hidden[:, 1:], logits[None],
                                                     anchor_token)]
         if tree_budget is None:
-            drafts, q = draft_chain(logits, tables, room - 1, rule, p)
+            drafts, q = draft_chain(logits, tables, room - 1, rule, p, selector_truncation)
             verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q)
         else:
             if tree == "pairwise":
@@ -168,15 +171,16 @@ def stop_strings_of(target, strings) -> StopStrings | None:
     return StopStrings(target.tokenizer, strings)
 
 
-def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int) -> tuple[list[int], torch.Tensor | None]:
+def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int,
+                selector_truncation: bool = False) -> tuple[list[int], torch.Tensor | None]:
     """The drafted chain of one block (at most `depth` tokens) and, for a rule that reads it, the distributions
     [depth, V] it was drawn from (else None).
 
     logits [S, V]: the drafter's slots 1..S; tables: DFlash 2's selector tables (cand, first, table) or None.
     The rule says how drafts are made (dflash.evaluate.rules): the argmax per slot (DFlash 2: the selector's best
     walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform; DFlash 2
-    walks its selector, drawing each slot among the K candidates from the transformed scores after the previous
-    draw, q zero off the candidates.
+    walks its selector, drawing each slot among the K candidates from softmax(score / T) after the previous draw
+    (the rule's top-p / top-k too with selector_truncation: `candidate_sampling`), q zero off the candidates.
     """
     depth = max(0, min(depth, logits.shape[0]))
     if depth == 0:
@@ -186,10 +190,10 @@ def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int) ->
     if tables is None:
         q = probs(logits[:depth], rule.sampling)
         return rule.draw_drafts(q, p + 1), (q if rule.reads_q else None)
-    rows = []
+    rows, sampling = [], candidate_sampling(rule.sampling, selector_truncation)
 
     def draw(scores: torch.Tensor, s: int) -> int:
-        rows.append(probs(scores, rule.sampling))
+        rows.append(probs(scores, sampling))
         return rule.draw_drafts(rows[-1][None], p + 1 + s)[0]
 
     drafts = walk_path(*tables, depth=depth, draw=draw)

@@ -83,6 +83,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
     knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+    selector = {"selector_truncation": cfg.selector_truncation}  # DFlash 2's draws among its candidates
     # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
     budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
                *[(b, "pairwise") for b in cfg.ddtree_budgets if drafter.candidate_selector is not None]]
@@ -114,7 +115,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 t0 = time.perf_counter()
                 res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
                                            stop_token_ids=stops, stop_strings=strings, seed=seed, tree=tree,
-                                           verifier=cfg.verifier, **knobs)
+                                           verifier=cfg.verifier, **knobs, **selector)
                 tot = totals[budget, tree]
                 tot["time"] += time.perf_counter() - t0
                 if compared:
@@ -155,6 +156,6 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification(),
-               "sampling": {**knobs, "verifier": cfg.verifier, "seed": cfg.seed},
+               "sampling": {**knobs, **selector, "verifier": cfg.verifier, "seed": cfg.seed},
                "compared_with_plain": compared}
     return records, summary

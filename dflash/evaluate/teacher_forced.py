@@ -20,10 +20,10 @@ from dflash.data.prompts import conversation_id
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
-from dflash.drafter.sampling import Sampling, probs, stored_acceptance, stored_probs
+from dflash.drafter.sampling import Sampling, candidate_sampling, probs, stored_acceptance, stored_probs
 from dflash.errors import CacheError
-from dflash.evaluate.walk import (expected_blocks, product_reach, span, variant_key, verify_depth, walk, walk_variants,
-                                  weighted_reach)
+from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth, walk,
+                                  walk_variants)
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
 
@@ -96,7 +96,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                 if selector is not None:  # DFlash 2 drafts the selector's path; the argmax path is the unary one
                     drafted, extra, tables, selected = dflash2_fields(selector, hidden, logits, blocks, target)
                 if stored is not None:
-                    alpha, reach = (t.tolist() for t in slot_alpha(logits, selected, stored, chunk, target, sampling))
+                    alpha, accept = (t.tolist() for t in slot_rates(logits, selected, stored, chunk, target, sampling,
+                                                                     cfg.selector_truncation))
                 correct, _ = block_correct(drafted.cpu(), target)
                 streak = metrics.streaks(correct).tolist()
                 draft_ids, top_ids, top_logp = drafted.tolist(), top.indices.tolist(), top.values.tolist()
@@ -108,7 +109,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                         "all_anchors": False, "walk_start": p == start,
                     }
                     if stored is not None:
-                        by_anchor[p].update(alpha=alpha[j], reach=reach[j])
+                        by_anchor[p].update(alpha=alpha[j], accept=accept[j])
                     if selector is not None:
                         by_anchor[p].update({k: v[j] for k, v in extra.items()})
                         by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
@@ -128,33 +129,32 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     return records
 
 
-def slot_alpha(logits: torch.Tensor, selected: tuple | None, stored, anchors: torch.Tensor, target: torch.Tensor,
-               sampling: Sampling, rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(alpha, reach) [n, S] of each block's drafted slots under rejection sampling, 0 past the completion
+def slot_rates(logits: torch.Tensor, selected: tuple | None, stored, anchors: torch.Tensor, target: torch.Tensor,
+               sampling: Sampling, selector_truncation: bool = False,
+               rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha, accept) [n, S] of each block's drafted slots under rejection sampling, 0 past the completion
     (target -1).
 
-    alpha_k = sum_x min(p_k(x), q_k(x)): slot k's acceptance probability after the completion's tokens.
-    reach_k = P(drafts 1..k all accepted), estimated as (prod_{j<k} min(1, q_j(x_j) / p_j(x_j))) * alpha_k
-    with x_j the completion's tokens. Live, a draft that is accepted is distributed as min(p, q) / alpha, not as
-    p; the completion's tokens are drawn from p (the held-out set is sampled at the same settings), and the
-    weights min(1, q/p) = min(p, q)/p turn their expectation into the live one: an unbiased estimate of what
-    live decoding gets. The product of the alphas (`product_reach`) treats the slots as independent, which live
-    decoding they are not. The estimate is clipped to a non-increasing sequence in [0, 1] (a walk needs
-    probabilities). A completion token outside the stored top-k gets the smallest stored probability as p.
+    alpha_k = sum_x min(p_k(x), q_k(x)): slot k's acceptance probability, averaged over the draft.
+    accept_k = min(1, q_k(x_k) / p_k(x_k)) at the completion's token x_k: the pathwise weight of the unbiased
+    expected walk (dflash.evaluate.walk.expected_blocks derives it). A completion token outside the stored
+    top-k gets the smallest stored probability as p.
 
     logits [n, S, V]: the drafter's; selected: DFlash 2's (scores [n, S, K], candidates [n, S, K]), the
-    selector's scores over the unary top-K (q then lives on those K candidates), else None; stored: the prompt's
-    TopK (the target's next-token distribution per position, on the host); anchors [n] (host). `rows` anchors at
-    a time: q is [rows, S, V]."""
+    selector's scores over the unary top-K after the gold previous token (q then lives on those K candidates:
+    softmax(scores / T) as the reference draws, top-p / top-k too with selector_truncation,
+    dflash.drafter.sampling.candidate_sampling), else None; stored: the prompt's TopK (the
+    target's next-token distribution per position, on the host); anchors [n] (host). `rows` anchors at a time: q
+    is [rows, S, V]."""
     n, S, V = logits.shape
-    alphas, ratios = [], []
+    alphas, ratios, among = [], [], candidate_sampling(sampling, selector_truncation)
     for s in range(0, n, rows):
         part = logits[s: s + rows]
         if selected is None:
             q = probs(part, sampling)
         else:
             scores, cand = selected
-            q = torch.zeros_like(part).scatter_(-1, cand[s: s + rows], probs(scores[s: s + rows], sampling))
+            q = torch.zeros_like(part).scatter_(-1, cand[s: s + rows], probs(scores[s: s + rows], among))
         # slot k of the block at anchor a is predicted by the target at position a + k - 1
         pos = (anchors[s: s + rows, None] + torch.arange(S)).clamp_max(stored.logprobs.shape[0] - 1)
         ids = stored.ids[pos].to(q.device)
@@ -166,10 +166,7 @@ def slot_alpha(logits: torch.Tensor, selected: tuple | None, stored, anchors: to
         q_gold = q.gather(-1, gold[..., None])[..., 0]
         ratios.append((q_gold / p_gold.clamp_min(1e-30)).clamp_max(1.0).cpu())
     valid = target >= 0
-    alpha = torch.cat(alphas).masked_fill(~valid, 0.0)
-    before = torch.cat([torch.ones(n, 1), torch.cat(ratios)[:, :-1]], 1).cumprod(1)
-    reach = (before * alpha).clamp(0, 1).cummin(1).values
-    return alpha, reach
+    return torch.cat(alphas).masked_fill(~valid, 0.0), torch.cat(ratios).masked_fill(~valid, 0.0)
 
 
 def dflash2_fields(selector, hidden, logits, blocks, target) -> tuple[torch.Tensor, dict, list, tuple]:
@@ -223,10 +220,11 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
 
     Records with `alpha` (eval.temperature > 0) add the expected acceptance under rejection sampling:
     `tau_expected`, the completions' tokens over the expected number of blocks of the walk
-    (dflash.evaluate.walk.expected_blocks with the unbiased reach of slot_alpha: what live tau at that
-    temperature estimates), its `_macro` and its standard error over prompts `_se`; `tau_alpha_product` the
-    same walk with reach = prod_{j<=k} alpha_j (slots as if independent); `alpha@k`,
-    `tau_expected_all_anchors` and `tau_alpha_product_all_anchors` (1 + sum_k reach_k per block) at every
+    (dflash.evaluate.walk.expected_blocks with the pathwise rates of slot_rates: an unbiased estimate of live
+    decoding's at that temperature), its `_macro` and its standard error over prompts `_se`;
+    `tau_alpha_product`, an approximation: the same walk with the alphas as rates (slots as if independent, the
+    token after a rejection the completion's); `alpha@k`, `tau_expected_all_anchors` and
+    `tau_alpha_product_all_anchors` (each block's expected accepted length, 1 + sum_k prod_{i<=k} rate_i) at every
     anchor. `tau_se` is the greedy walk tau's standard error.
     """
     every = [r for r in records if r.get("all_anchors", True)]
@@ -256,8 +254,9 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
                 row[f"ddtree_pair@{b}_all_anchors"] = r["pair_accepted"][str(b)] + 1.0
         if sampled:
             row.update({f"alpha@{k}": a for k, a in enumerate(r["alpha"], 1)})
-            row["tau_expected_all_anchors"] = 1.0 + sum(weighted_reach(r))
-            row["tau_alpha_product_all_anchors"] = 1.0 + sum(product_reach(r))
+            for name, rates in (("tau_expected", r["accept"]), ("tau_alpha_product", r["alpha"])):
+                weights = accepted_weights(rates, len(rates))
+                row[f"{name}_all_anchors"] = sum((j + 1) * w for j, w in enumerate(weights))
         rows.append((r["prompt_id"], row))
     by_prompt: dict[str, dict[int, dict]] = {}
     for r in records:
@@ -275,7 +274,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
                 walked.append((sum(tau for _, tau in steps), len(steps)))
         if sampled and span(by_anchor[start]) >= 1:
             expected.append((pid, span(by_anchor[start]), expected_blocks(by_anchor, start),
-                             expected_blocks(by_anchor, start, product_reach)))
+                             expected_blocks(by_anchor, start, alpha_weights)))
 
     def means(rs: list[dict]) -> dict:
         sums, counts = {}, {}

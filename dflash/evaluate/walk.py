@@ -94,30 +94,53 @@ def walk(by_anchor: dict[int, dict], start: int, budget=None, missing=None) -> l
         pos += tau
 
 
-def product_reach(record: dict) -> list[float]:
-    """P(the first k drafts are all accepted) as prod_{j<=k} alpha_j, k = 1..S: slots taken as independent."""
+def accepted_weights(rates: list[float], depth: int) -> list[float]:
+    """[P(exactly j drafts accepted)], j = 0..depth: prod_{i<=j} r_i * (1 - r_{j+1}), and prod_{i<=depth} r_i for all
+    of them, from per-slot rates r (slot i accepted with rate r_i once slots 1..i-1 were)."""
     out, reach = [], 1.0
-    for a in record["alpha"]:
-        reach *= a
-        out.append(reach)
-    return out
+    for r in rates[:depth]:
+        out.append(reach * (1.0 - r))
+        reach *= r
+    return out + [reach]
 
 
-def weighted_reach(record: dict) -> list[float]:
-    """P(the first k drafts are all accepted), k = 1..S, estimated without bias from a completion sampled from
-    the target: the record's `reach` (dflash.evaluate.teacher_forced.slot_alpha)."""
-    return record["reach"]
+def pathwise_weights(record: dict, depth: int) -> list[float]:
+    """The unbiased expected walk's weights (`expected_blocks`) from the record's `accept`: per drafted slot k,
+    r_k = min(1, q_k(x_k) / p_k(x_k)) at the completion's token x_k (dflash.evaluate.teacher_forced.slot_rates)."""
+    return accepted_weights(record["accept"], depth)
 
 
-def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach) -> float:
+def alpha_weights(record: dict, depth: int) -> list[float]:
+    """An approximation's weights (`tau_alpha_product`) from the record's `alpha` (alpha_k = sum_x min(p_k, q_k)):
+    slots taken as independent, and the token after a rejection as the completion's, unweighted."""
+    return accepted_weights(record["alpha"], depth)
+
+
+def expected_blocks(by_anchor: dict[int, dict], start: int, weights=pathwise_weights) -> float:
     """The expected number of blocks live decoding with rejection sampling drafts to commit the completion from
-    `start`, given each record's reach(record)[k-1] = P(its first k drafts are all accepted).
+    `start`: unbiased, over completions sampled from the target, for live decoding at the same settings.
 
-    A block at anchor a with d = verify_depth drafts accepts exactly j of them with probability
-    reach_j - reach_{j+1} (reach_0 = 1; all d: reach_d) and commits min(j + 1, span) tokens; the next block is
-    at a + that. So E[a] = 1 + sum_j P_a(j) E[a + min(j + 1, span)], E = 0 once the completion is committed,
-    solved from the end back. The walk's expected tau is the tokens committed (the start record's `span`)
-    over E[start]; with reach in {0, 1} (temperature -> 0) it is the greedy walk's.
+    Why (weights = `pathwise_weights`). A block at anchor a drafts d = verify_depth slots; live, slot i's draft is
+    accepted with probability min(1, p_i/q_i) at the draft, and the first rejected slot emits a token of the
+    residual (p_i - q_i)+ / (1 - alpha_i). The probability that live decoding accepts exactly j drafts and
+    commits the tokens y_1..y_{j+1} is prod_{i<=j} min(p_i, q_i)(y_i) * (p_{j+1} - q_{j+1})+(y_{j+1}); all d
+    accepted and the bonus y_{d+1}: prod_{i<=d} min(p_i, q_i)(y_i) * p_{d+1}(y_{d+1}). With
+    r_i(y) = min(1, q_i(y) / p_i(y)), min(p, q) = p r and (p - q)+ = p (1 - r), so that probability is
+    p(y_1..y_{j+1}) * prod_{i<=j} r_i(y_i) * (1 - r_{j+1}(y_{j+1})): the target's probability of the committed
+    tokens times a weight. Chaining blocks, live decoding writes a text y with blocks b with probability
+    p(y) * prod over b of its weight; a completion x of the held-out set is a sample of p (same settings), so
+    summing the blocks of every walk along x, each weighted by its product of weights, is an unbiased estimate
+    of live decoding's expected blocks. The token after a rejection is x's own there: weighted by 1 - r it is a
+    sample of the residual, the token the drafter under-predicted, which is where the next block starts.
+    (Weighting "exactly j" by P(slots 1..j) - P(slots 1..j+1) averages the rejected slot's token out and
+    continues from an unweighted sample of p: biased, since the next block's acceptance depends on that token.)
+    The weights are non-negative and sum to 1 at every block (no clipping); with r in {0, 1} (temperature -> 0)
+    this is the greedy walk.
+
+    So E[a] = 1 + sum_j w_a(j) E[a + min(j + 1, span)], w_a = weights(record at a, d), E = 0 once the completion is
+    committed (its end or the budget: `span`), solved from the end back; the walk's expected tau is the tokens
+    committed (the start record's `span`) over E[start]. weights = `alpha_weights` gives the independent-slot
+    approximation (`tau_alpha_product`), not an unbiased estimate.
     """
     end = start + span(by_anchor[start])  # the last position decoding commits (completion's end or budget)
     expected = {end: 0.0}
@@ -125,12 +148,11 @@ def expected_blocks(by_anchor: dict[int, dict], start: int, reach=weighted_reach
         if a not in by_anchor:
             raise KeyError(f"the expected walk needs a record at every anchor; {a} has none")
         record = by_anchor[a]
-        depth, rest = verify_depth(record), span(record)
-        r = [1.0] + reach(record)[:depth]
+        rest = span(record)
         total = 1.0
-        for j in range(depth + 1):
+        for j, w in enumerate(weights(record, verify_depth(record))):
             n = min(j + 1, rest)
             if n < rest:
-                total += (r[j] - (r[j + 1] if j < depth else 0.0)) * expected[a + n]
+                total += w * expected[a + n]
         expected[a] = total
     return expected[start]

@@ -147,3 +147,24 @@ def test_a_pairwise_tree_needs_a_dflash2_drafter(tiny_targets):
     oracle = OracleDrafter(target, list(range(40)))
     with pytest.raises(ValueError, match="DFlash 2's selector"):
         speculative_generate(oracle, target, prompt(), 8, tree_budget=4, tree="pairwise")
+
+
+def test_dflash2_draws_among_its_candidates_from_the_tempered_scores_alone_unless_asked():
+    """At temperature > 0 the reference decoder draws a DFlash 2 slot from softmax(score / T) over the K candidates:
+    top_p / top_k are not applied to them (they were: a top-p of 0.5 kept one or two candidates), unless
+    selector_truncation asks for it; the drafts' q is the distribution they were drawn from either way."""
+    from dflash.drafter.sampling import Sampling, probs
+    from dflash.evaluate.decode import draft_chain
+    from dflash.evaluate.rules import make_rule
+
+    g = torch.Generator().manual_seed(0)
+    S, K, V = 3, 4, 9
+    cand = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(S)])
+    first, table = torch.randn(K, generator=g), torch.randn(S - 1, K, K, generator=g)
+    sampling = Sampling(0.8, top_p=0.5, top_k=2)
+    rule = make_rule(sampling, "rejection", seed=1)
+    drafts, q = draft_chain(torch.randn(S, V, generator=g), (cand, first, table), S, rule, 5)
+    assert torch.allclose(q[0, cand[0]], torch.softmax(first / 0.8, -1))
+    assert (q[0] > 0).sum() == K and torch.allclose(q.sum(-1), torch.ones(S))
+    drafts, q = draft_chain(torch.randn(S, V, generator=g), (cand, first, table), S, rule, 5, selector_truncation=True)
+    assert torch.allclose(q[0, cand[0]], probs(first, sampling)) and (q[0] > 0).sum() <= 2

@@ -490,3 +490,15 @@ def test_a_greedy_heldout_set_is_refused_at_temperature(trained, tiny_targets):
         teacher_forced(drafter, target.embed_tokens, target.lm_head, greedy, hot)
     paths = heldout.heldout_paths(replace(job, eval=hot), target, [1, 3]), heldout.heldout_paths(job, target, [1, 3])
     assert paths[0][0] != paths[1][0]  # a sampled held-out set is a set of its own
+
+
+def test_the_sampling_tag_names_a_truncated_selector_apart():
+    """eval.selector_truncation changes DFlash 2's draft distribution only where top-p or top-k truncate: the
+    metrics' namespace says so then, and only then."""
+    from dflash.config.run import EvalConfig
+    from dflash.evaluate.runner import sampling_tag
+
+    assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9)) == "t1-p0.9"
+    assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9, selector_truncation=True)) == "t1-p0.9-sel"
+    assert sampling_tag(EvalConfig(temperature=1.0, selector_truncation=True)) == "t1"
+    assert sampling_tag(EvalConfig(selector_truncation=True)) == ""

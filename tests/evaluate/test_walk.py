@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from dflash.dist import Dist
+from dflash.drafter.sampling import Sampling, probs
 from dflash.evaluate import heldout
-from dflash.evaluate.decode import speculative_generate
-from dflash.evaluate.teacher_forced import summarize, teacher_forced
-from dflash.evaluate.walk import expected_blocks, product_reach, walk, walk_tau
+from dflash.evaluate.decode import draft_chain, speculative_generate
+from dflash.evaluate.rules import make_rule
+from dflash.evaluate.teacher_forced import slot_rates, summarize, teacher_forced
+from dflash.target.features import TopK
+from dflash.evaluate.walk import alpha_weights, expected_blocks, walk, walk_tau
 from tests.conftest import compose
 from tests.oracle import OracleDrafter
 
@@ -209,7 +212,7 @@ def test_walk_tau_equals_live_tau_on_answers_that_end_their_turn(tmp_path):
 
 def completion_records(length: int, S: int, seed: int, alpha_of, budget: int = 10**6):
     """Records of one completion (anchors 0..length-2, blocks of S drafts, `budget` new tokens from anchor 0): slot correctness drawn at
-    random, alpha from alpha_of(correct) and reach its running product."""
+    random, alpha from alpha_of(correct) and the pathwise rates `accept` equal to it."""
     g = torch.Generator().manual_seed(seed)
     path = torch.randint(3, 50, (length,), generator=g).tolist()
     by_anchor = {}
@@ -218,8 +221,7 @@ def completion_records(length: int, S: int, seed: int, alpha_of, budget: int = 1
         correct = (torch.rand(S, generator=g) < 0.7).tolist()
         draft = [t if c else 1 for t, c in zip(target, correct)]
         alpha = [alpha_of(c, g) if t >= 0 else 0.0 for c, t in zip(correct, target)]
-        reach = torch.tensor(alpha).cumprod(0).tolist()
-        by_anchor[a] = record(a, target, draft, left=length - 1 - a, room=budget - a, alpha=alpha, reach=reach)
+        by_anchor[a] = record(a, target, draft, left=length - 1 - a, room=budget - a, alpha=alpha, accept=alpha)
     return by_anchor
 
 
@@ -228,7 +230,7 @@ def test_expected_walk_at_temperature_zero_is_the_greedy_walk():
     for seed in range(5):
         by_anchor = completion_records(40, 7, seed, lambda c, g: float(c))
         assert expected_blocks(by_anchor, 0) == len(walk(by_anchor, 0))
-        assert expected_blocks(by_anchor, 0, product_reach) == len(walk(by_anchor, 0))
+        assert expected_blocks(by_anchor, 0, alpha_weights) == len(walk(by_anchor, 0))
         # a budget inside the completion: both stop there (live decoding does)
         cut = completion_records(40, 7, seed, lambda c, g: float(c), budget=17)
         assert sum(tau for _, tau in walk(cut, 0)) == 17
@@ -257,3 +259,165 @@ def test_expected_walk_equals_simulated_rejection_sampling_walks():
     mean = sum(counts) / len(counts)
     se = (sum((c - mean) ** 2 for c in counts) / (len(counts) - 1) / len(counts)) ** 0.5
     assert abs(expected_blocks(by_anchor, 0) - mean) < 4 * se
+
+
+# The expected walk at temperature > 0 (eval/tau_expected) against live rejection sampling. A Markov target (next-token
+# logits from the last token) and a drafter whose slots depend on the anchor token: live decoding runs the real
+# drafting and verification code (draft_chain, Rule.chain); the expected walk runs on completions sampled from the
+# target, its records made by the real slot_rates. Each comparison fails when the two means are more than 4 combined
+# standard errors apart: a false alarm rate of 6.3e-5 per comparison (two-sided normal), seeds fixed.
+
+class MarkovPair:
+    """Target logits [V, V] ([previous token, next token]), drafter logits [V, S, V] ([anchor token, slot, V]);
+    with `tables` (per anchor token: candidates [S, K], first [K], table [S-1, K, K]) the drafter is DFlash 2's
+    selector over those candidates."""
+
+    def __init__(self, logits, draft, tables=None):
+        self.logits, self.draft, self.tables = logits, draft, tables
+
+    def live_blocks(self, rule, n: int) -> int:
+        """Blocks live decoding takes to write n tokens after token 0 (the prefill's token the first of them)."""
+        ids, blocks = [0, rule.sample(self.logits[0], 1)], 0
+        while len(ids) - 1 < n:
+            p, anchor, room = len(ids) - 1, ids[-1], n - (len(ids) - 1)
+            tables = None if self.tables is None else self.tables[anchor]
+            drafts, q = draft_chain(self.draft[anchor], tables, room - 1, rule, p)
+            accepted, bonus = rule.chain(self.logits[[anchor] + drafts], p + 1, drafts, q)
+            ids += drafts[:accepted] + [bonus]
+            blocks += 1
+        return blocks
+
+    def completion(self, n: int, sampling, g) -> list[int]:
+        """n tokens the target samples after token 0."""
+        step, out = probs(self.logits, sampling), [0]
+        for _ in range(n):
+            out.append(int(torch.multinomial(step[out[-1]], 1, generator=g)))
+        return out[1:]
+
+    def records(self, x: list[int], sampling, pid: str = "p") -> dict[int, dict]:
+        """Teacher-forced records of the completion x at every anchor (x[0], the prefill's token, the walk's start)."""
+        n, S = len(x), self.draft.shape[1]
+        xs = torch.tensor(x)
+        target = torch.full((n - 1, S), -1)
+        for a in range(n - 1):
+            target[a, : len(x[a + 1: a + 1 + S])] = xs[a + 1: a + 1 + S]
+        top = torch.log_softmax(self.logits[xs], -1).sort(-1, descending=True)  # position t predicts t + 1
+        stored = TopK(top.values, top.indices, torch.zeros(n))
+        selected = None
+        if self.tables is not None:  # slot k's scores after the completion's token at slot k - 1
+            scores, cands = [], []
+            for a in range(n - 1):
+                cand, first, table = self.tables[x[a]]
+                rows = [first]
+                for k in range(1, S):
+                    hit = (cand[k - 1] == (x[a + k] if a + k < n else -1)).nonzero().flatten()
+                    rows.append(table[k - 1, int(hit[0])] if len(hit) else torch.zeros_like(first))
+                scores.append(torch.stack(rows))
+                cands.append(cand)
+            selected = (torch.stack(scores), torch.stack(cands))
+        logits = self.draft[xs[:-1]]
+        alpha, accept = slot_rates(logits, selected, stored, torch.arange(n - 1), target, sampling)
+        drafts = logits.argmax(-1)
+        return {a: record(a, target[a].tolist(), drafts[a].tolist(), left=n - 1 - a, room=10**6, prompt_id=pid,
+                          walk_start=a == 0, all_anchors=a == 0, alpha=alpha[a].tolist(), accept=accept[a].tolist())
+                for a in range(n - 1)}
+
+
+def counterexample() -> MarkovPair:
+    """Issue 48's: tokens {A, B}, the target uniform and i.i.d., blocks of 2; after A the drafter drafts A always,
+    after B it drafts the target's distribution. Live: a rejected A emits B, after which the next block is always
+    accepted (tau 1.8 in the long run); an estimate that continues from the completion's token instead gets 1.75."""
+    draft = torch.tensor([[[0.0, -60.0]], [[0.0, 0.0]]])
+    return MarkovPair(torch.zeros(2, 2), draft)
+
+
+def random_pair(seed: int, V: int = 4, S: int = 3, K: int | None = None) -> MarkovPair:
+    """A random Markov target and a drafter near its k-step marginals after each anchor token; K: DFlash 2's
+    selector over the drafter's top-K per slot, its scores the unary ones plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, V, generator=g) * 1.5
+    step, power, slots = torch.softmax(logits, -1), torch.eye(V), []
+    for _ in range(S):
+        power = power @ step
+        slots.append(power.log() + 0.8 * torch.randn(V, V, generator=g))
+    draft = torch.stack(slots, 1)
+    if K is None:
+        return MarkovPair(logits, draft)
+    unary, cand = draft.topk(K, -1)
+    tables = [(cand[a], unary[a, 0] + 0.5 * torch.randn(K, generator=g),
+               unary[a, 1:, None, :] + 0.5 * torch.randn(S - 1, K, K, generator=g)) for a in range(V)]
+    return MarkovPair(logits, draft, tables)
+
+
+def clipped_reach_weights(record: dict, depth: int) -> list[float]:
+    """The estimator before issue 48, broken on purpose: reach_k = prod_{j<k} r_j * alpha_k clipped to a
+    non-increasing sequence, "exactly j accepted" weighted reach_j - reach_{j+1}."""
+    reach, before = [1.0], 1.0
+    for r, a in zip(record["accept"][:depth], record["alpha"][:depth]):
+        reach.append(min(before * a, reach[-1]))
+        before *= r
+    return [reach[j] - (reach[j + 1] if j < depth else 0.0) for j in range(depth + 1)]
+
+
+def z_live_minus_expected(pair: MarkovPair, sampling, n: int, runs: int, weights=None) -> float:
+    """(mean live blocks - mean expected blocks) over their combined standard error, `runs` of each."""
+    def mean_var(xs):
+        m = sum(xs) / len(xs)
+        return m, sum((v - m) ** 2 for v in xs) / (len(xs) - 1) / len(xs)
+
+    rule = make_rule(sampling, "rejection", seed=7)
+    live = [pair.live_blocks(rule, n) for _ in range(runs)]
+    g = torch.Generator().manual_seed(8)
+    est = [expected_blocks(pair.records(pair.completion(n, sampling, g), sampling), 0,
+                           *(() if weights is None else (weights,))) for _ in range(runs)]
+    (ml, vl), (me, ve) = mean_var(live), mean_var(est)
+    return (ml - me) / (vl + ve) ** 0.5
+
+
+EXPECTED_CASES = [
+    ("counterexample", counterexample, Sampling(1.0)),
+    ("random", lambda: random_pair(0), Sampling(1.0)),
+    ("random-t0.7-top-p", lambda: random_pair(1), Sampling(0.7, top_p=0.9)),
+    ("dflash2-top-p", lambda: random_pair(2, K=3), Sampling(0.9, top_p=0.8)),
+]
+
+
+@pytest.mark.parametrize("name,make,sampling", EXPECTED_CASES, ids=[c[0] for c in EXPECTED_CASES])
+def test_the_expected_walk_equals_live_rejection_sampling(name, make, sampling):
+    """800 live decodings of 20 tokens against the expected walk on 800 completions sampled from the target."""
+    assert abs(z_live_minus_expected(make(), sampling, n=20, runs=800)) < 4
+
+
+def test_the_estimator_that_continues_from_an_unweighted_token_fails_the_same_comparison():
+    """The broken estimator (the rejected slot averaged out, the next block at the completion's token as if it were
+    the residual's) is caught by the same test at the same size: on the counterexample it is 0.05 a block off."""
+    assert abs(z_live_minus_expected(counterexample(), Sampling(1.0), n=20, runs=800, weights=clipped_reach_weights)) > 4
+
+
+def test_the_counterexamples_exact_taus():
+    """Blocks of 3 on the uniform two-token target, the drafter sure of A at slot 1 and equal to the target at slot
+    2: a block accepts both (tau 3) when the completion's first token is A, else none (tau 1), so the expected tau of
+    a block is 2.0; clipping the reach to a non-increasing sequence gave 1.75. Over the four equally likely
+    completions the every-anchor expectation is exactly 2.0; in the long run the walk of the issue's counterexample
+    is 1.8, not 1.75."""
+    pair = MarkovPair(torch.zeros(2, 2), torch.tensor([[[0.0, -60.0], [0.0, 0.0]]] * 2))
+    records = [r for i, x in enumerate([[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]])
+               for r in pair.records(x, Sampling(1.0), pid=str(i)).values()]
+    assert summarize(records, 3, [])["metrics"]["eval/tau_expected_all_anchors"] == pytest.approx(2.0, abs=1e-9)
+    clipped = [sum((j + 1) * w for j, w in enumerate(clipped_reach_weights(r, 2))) for r in records if r["anchor"] == 0]
+    assert sum(clipped) / 4 == pytest.approx(1.75, abs=1e-9)
+    tokens = 4000  # one long completion of the counterexample: tokens committed over the expected blocks
+    x = counterexample().completion(tokens + 1, Sampling(1.0), torch.Generator().manual_seed(0))
+    by_anchor = counterexample().records(x, Sampling(1.0))
+    assert tokens / expected_blocks(by_anchor, 0) == pytest.approx(1.8, abs=0.02)
+    assert tokens / expected_blocks(by_anchor, 0, clipped_reach_weights) == pytest.approx(1.75, abs=0.02)
+
+
+def test_the_expected_walk_at_temperature_near_zero_is_the_greedy_walk_through_slot_rates():
+    """At temperature 1e-4 the completion is the target's greedy one and every rate is 0 or 1: the expected walk
+    counts the greedy walk's blocks (drafts the drafter's argmax)."""
+    pair, cold = random_pair(3), Sampling(1e-4)
+    for seed in range(3):
+        by_anchor = pair.records(pair.completion(30, cold, torch.Generator().manual_seed(seed)), cold)
+        assert all(r in (0.0, 1.0) for rec in by_anchor.values() for r in rec["accept"])
+        assert expected_blocks(by_anchor, 0) == pytest.approx(len(walk(by_anchor, 0)))
