@@ -266,9 +266,10 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
     response, train.num_anchors blocks spread evenly; bf16 autocast unless train.mixed_precision=no;
     flex unless train.attention=sdpa; clipping and AdamW as training runs them): time of the first
     step (compiles), median of `repeat` more, tokens/s, MFU, dynamo's graphs and recompiles, and the
-    peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak)
-    next to bench.plan's estimate for the same shape."""
+    peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak), and of
+    one more forward and backward alone (no optimizer step), each next to bench.plan's for the same shape."""
     from bench import plan
+    from bench.plan_memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
@@ -285,12 +286,20 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
     opt = build_optimizer(drafter, optim)
     gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
 
-    def step():
+    def backward():  # the forward and backward, before the optimizer step
         loss_and_backward(drafter, embed, head.weight, feats, blocks, setup.backend, autocast, gamma,
                           job["loss"].chunk_logits)
+
+    def step():
+        backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), optim.grad_clip or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def held() -> list:  # on CPU, the tensors made before a step, which TensorPeak counts only when told
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return [*drafter.parameters(), *drafter.buffers(), embed.weight, head.weight, clean, feats, *state,
+                *[v for v in vars(blocks).values() if torch.is_tensor(v)]]
 
     with CompileWatch() as watch:
         _sync(device)
@@ -301,17 +310,27 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             t = timed(step, repeat=repeat, warmup=0)
-            measured = torch.cuda.max_memory_allocated(device)
-        else:  # the tensors a step holds (persistent ones made before it counted by hand)
+            measured, start = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            backward()
+            _sync(device)
+            window = torch.cuda.max_memory_allocated(device)
+        else:
             t = timed(step, repeat=1, warmup=0)
             with TensorPeak() as mem:
-                mem.track(*drafter.parameters(), *drafter.buffers(), embed.weight, head.weight, clean, feats,
-                          *[v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)],
-                          *[v for v in vars(blocks).values() if torch.is_tensor(v)])
+                mem.track(*held())
                 step()
-            measured = mem.peak
+            with TensorPeak() as part:
+                part.track(*held())
+                start = part.live
+                backward()
+            measured, window = mem.peak, part.peak
+        opt.zero_grad(set_to_none=True)  # no optimizer step on the gradients of that one
         timed_compiled = _compiled_between(after_first, watch.mark())
     estimate, phase = plan.peak(shape, setup)
+    # the forward and backward alone, whose peak the activations set: the whole step's is the optimizer's
+    window_plan, window_phase = plan.peak(shape, setup, BACKWARD)
+    rise_plan = window_plan - sum(plan.terms(shape, setup)[k] for k in PERSISTENT)
     flops, peak = sum(train_flops(drafter, blocks).values()), _device_peak(device)
     types = ", ".join(f"{k} x{drafter.layer_types.count(k)}" for k in dict.fromkeys(drafter.layer_types))
     c = drafter.config
@@ -330,7 +349,13 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
         "timed_steps_compiled": timed_compiled, "recompile_limit_hits": watch.hits,
         "recompile_reasons": watch.recompiles[:10],
         "peak_memory_gib": round(measured / 2**30, 3), "plan_peak_gib": round(estimate / 2**30, 3),
-        "plan_phase": phase, "plan_over_measured": round(estimate / measured, 3)}
+        "plan_phase": phase, "plan_over_measured": round(estimate / measured, 3),
+        # the forward and backward alone (before the optimizer step): its peak, and its rise over what the step
+        # started with (the activations and gradients it makes), each next to the plan's
+        "activation_peak_gib": round(window / 2**30, 3), "plan_activation_peak_gib": round(window_plan / 2**30, 3),
+        "plan_activation_phase": window_phase, "plan_activation_over_measured": round(window_plan / window, 3),
+        "activation_rise_gib": round((window - start) / 2**30, 3),
+        "plan_activation_rise_over_measured": round(rise_plan / (window - start), 3)}
 
 
 def autocast_gap(device, dims: dict, length: int, num_anchors: int, backend: str) -> dict:

@@ -51,12 +51,21 @@ def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> d
 
 
 def preset_verdict(out: dict) -> dict:
-    """PASS when bench.plan's peak is within PLAN_TOL of the measured one, nothing compiled after the
-    first step, the recompile limit was not hit and (under flex) the first step compiled."""
-    why, ratio = [], out["plan_over_measured"]
+    """PASS when bench.plan's peak is within PLAN_TOL of the measured one, and so are its peak of the forward and
+    backward alone and that peak's rise over what the step starts with (the step's peak is the optimizer's, 20
+    bytes a parameter and AdamW's foreach temporary: it would pass with activations off by 2.5x; the rise is what
+    the activations and gradients add, so an activation term off either way shows in it), nothing compiled after
+    the first step, the recompile limit was not hit and (under flex) the first step compiled."""
+    why, ratio, act = [], out["plan_over_measured"], out["plan_activation_over_measured"]
     if abs(ratio - 1) > PLAN_TOL:
         why.append(f"bench.plan's peak {out['plan_peak_gib']} GiB ({out['plan_phase']}) is {ratio:.3f}x the measured "
                    f"{out['peak_memory_gib']} GiB (tolerance {PLAN_TOL:.0%}): correct the plan's terms")
+    rise = out["plan_activation_rise_over_measured"]
+    if abs(act - 1) > PLAN_TOL or abs(rise - 1) > PLAN_TOL:
+        why.append(f"bench.plan's peak of the forward and backward {out['plan_activation_peak_gib']} GiB "
+                   f"({out['plan_activation_phase']}) is {act:.3f}x the measured {out['activation_peak_gib']} GiB, "
+                   f"its rise over the step's start {rise:.3f}x the measured {out['activation_rise_gib']} GiB "
+                   f"(tolerance {PLAN_TOL:.0%}): correct the plan's activation terms")
     if out["timed_steps_compiled"]["graphs"]:
         why.append(f"{out['timed_steps_compiled']['graphs']} graphs compiled after the first step (a recompile of "
                    f"the same shape)" + (f": {out['recompile_reasons'][-1]}" if out["recompile_reasons"] else ""))
@@ -69,7 +78,9 @@ def preset_verdict(out: dict) -> dict:
                + (f"mfu {out['mfu']}" if out["mfu"] is not None else "mfu n/a")
                + f", first step {out['first_step_s']} s; dynamo: {out['first_step_compiled']['graphs']} graphs for "
                  f"{out['mask_kinds']} mask kinds, {out['timed_steps_compiled']['graphs']} after; peak "
-                 f"{out['peak_memory_gib']} GiB, plan {out['plan_peak_gib']} GiB (x{ratio}, {out['plan_phase']})")
+                 f"{out['peak_memory_gib']} GiB, plan {out['plan_peak_gib']} GiB (x{ratio}, {out['plan_phase']}); "
+                 f"forward and backward {out['activation_peak_gib']} GiB, plan {out['plan_activation_peak_gib']} GiB "
+                 f"(x{act}, {out['plan_activation_phase']}; rise x{rise})")
     return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
 
 

@@ -271,12 +271,51 @@ def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind)
         "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",
         "data.max_length=256", f"drafter.kind={kind}", "drafter.selector_rank=32"], repeat=1)
     verdict = preset_verdict(out)
+    print(verdict["summary"])
     assert verdict["status"] == "PASS", verdict["summary"]
     assert out["mask_kinds"] == 2 and out["context_tokens_per_s"] > 0 and out["mfu"] is None
     assert out["timed_steps_compiled"] == {"graphs": 0, "recompiles": 0}
     assert abs(out["plan_over_measured"] - 1) <= 0.15
+    # the forward and backward alone: below the whole step's peak, within 15% of the plan's, rise included
+    assert out["activation_peak_gib"] <= out["peak_memory_gib"] and out["plan_activation_phase"] != "optimizer step"
+    assert abs(out["plan_activation_over_measured"] - 1) <= 0.15
+    assert abs(out["plan_activation_rise_over_measured"] - 1) <= 0.15
     wrong = preset_verdict({**out, "plan_over_measured": 1.2, "backend": "flex"})
     assert "1.200x the measured" in wrong["summary"] and "flex ran uncompiled" in wrong["summary"]
+
+
+def _preset_out(**figures) -> dict:
+    """A preset_step result as the Qwen3.6-27B step's on the first H200 (peaks in GiB), with `figures` changed."""
+    out = {"shape": "experiment=qwen3_6_27b train.mode=offline: drafter", "backend": "flex", "checkpointing": True,
+           "mask_kinds": 2, "context_tokens_per_s": 6736.3, "block_tokens_per_s": 17963.5, "tflops": 284.0,
+           "mfu": 0.287, "first_step_s": 19.45, "first_step_compiled": {"graphs": 2, "recompiles": 1},
+           "timed_steps_compiled": {"graphs": 0, "recompiles": 0}, "recompile_limit_hits": [],
+           "recompile_reasons": [], "peak_memory_gib": 39.275, "plan_peak_gib": 39.21, "plan_phase": "optimizer step",
+           "plan_over_measured": 0.998, "activation_peak_gib": 35.9, "plan_activation_peak_gib": 35.85,
+           "plan_activation_phase": "drafter layers", "plan_activation_over_measured": 0.999,
+           "activation_rise_gib": 10.3, "plan_activation_rise_over_measured": 1.0}
+    return {**out, **figures}
+
+
+@pytest.mark.parametrize("case", ["as planned", "within 15%", "activations 2.5x the plan", "plan 2.5x the activations"])
+def test_the_preset_check_fails_when_the_activation_phases_are_off(case):
+    """The step's peak is the optimizer's (its parameters, gradients, AdamW state and foreach temporary), so the
+    plan's activations could be 2.5x off and the whole step's peak still match (x0.998 here): the check also
+    holds the forward and backward's own peak, and its rise over the step's start, to the plan within 15%."""
+    from bench.gpu_checks import preset_verdict
+
+    rise = 10.3  # GiB the forward and backward add over the 25.5 GiB the step starts with (plan: 35.85 - 25.54)
+    measured = {"as planned": rise, "within 15%": rise * 1.13, "activations 2.5x the plan": rise * 2.5,
+                "plan 2.5x the activations": max(rise / 2.5, 6.8)}[case]  # 6.8: the gradients at the end of backward
+    out = _preset_out(activation_peak_gib=25.54 + measured, activation_rise_gib=measured,
+                      plan_activation_over_measured=round(35.85 / (25.54 + measured), 3),
+                      plan_activation_rise_over_measured=round(rise / measured, 3))
+    verdict = preset_verdict(out)
+    assert out["plan_over_measured"] == 0.998  # the whole step's peak matches in every case
+    if case in ("as planned", "within 15%"):
+        assert verdict["status"] == "PASS", verdict["summary"]
+    else:
+        assert verdict["status"] == "FAIL" and "correct the plan's activation terms" in verdict["summary"]
 
 
 def test_extraction_kernels_run_at_the_real_head_dims_on_cpu():
