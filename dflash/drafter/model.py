@@ -358,7 +358,15 @@ def is_dflash2(config) -> bool:
 
 
 def block_size_of(config) -> int:
-    return int(getattr(config, "block_size", None) or dflash_value(config, "block_size", 16))
+    """The block size as the z-lab reference reads it: `dflash_config.block_size`, then the top level, else 16. A
+    config.json whose two disagree is refused: which one a server reads is its own choice, and a drafter trained
+    at one size and served at the other loses its acceptance without an error."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    top = getattr(config, "block_size", None)
+    if dflash.get("block_size") is not None and top is not None and int(dflash["block_size"]) != int(top):
+        raise ValueError(f"drafter config.json says dflash_config.block_size={dflash['block_size']} and "
+                         f"block_size={top}; set both to the block size the drafter was trained with")
+    return int(dflash_value(config, "block_size", 16))
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):

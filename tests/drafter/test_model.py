@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -279,4 +280,25 @@ def test_sliding_layers_without_a_window_are_refused_naming_the_fix(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))  # window: 6, kept
     with pytest.raises(CheckpointError, match=rf"{tmp_path}/config.json: drafter layers \[0\] are sliding_attention"):
+        load_drafter(str(tmp_path))
+
+
+def test_block_size_is_read_from_dflash_config_first_and_a_disagreement_is_refused(tmp_path):
+    """The z-lab reference reads dflash_config.block_size before the top-level key; we read the top level first and
+    served a drafter whose two disagree at the other size without a word. Either one alone is read; two that
+    disagree are refused on load in one line naming both."""
+    from dflash.drafter.model import block_size_of
+
+    make_drafter().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    top = config["block_size"]
+    nested = {**{k: v for k, v in config.items() if k != "block_size"},
+              "dflash_config": {**config["dflash_config"], "block_size": top // 2}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert load_drafter(str(tmp_path)).block_size == top // 2
+    both = {**nested, "block_size": top}
+    assert block_size_of(SimpleNamespace(dflash_config={"block_size": 4}, block_size=4)) == 4
+    (tmp_path / "config.json").write_text(json.dumps(both))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}/config.json: drafter config.json says "
+                                              rf"dflash_config.block_size={top // 2} and block_size={top}; set both"):
         load_drafter(str(tmp_path))
