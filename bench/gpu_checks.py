@@ -173,9 +173,11 @@ def live_lossless(budget: float) -> dict:
 
     def progress(out: dict) -> None:  # a line per run into the check's log, and the runs so far kept
         r = out["runs"][-1]
+        t = r["tokens"]
         print(f"live_lossless {len(out['runs'])}: {r['target']} {r['dtype']} {r['prompt']} {r['drafter']} "
               f"tree {r['tree_budget']}: {'identical' if r['identical'] else 'DIVERGED'}, tau {r['tau']}, "
-              f"{r['seconds']} s", flush=True)
+              f"{t['tokens']} tokens ({t['ties']} ties) of which {t['clear']} clearly not the argmax, {r['seconds']} s",
+              flush=True)
         save_partial(out)
 
     prompts, tokens = (2, 64) if device.type == "cuda" else (1, 32)  # on CPU a smoke test of the same code

@@ -4,8 +4,9 @@ greedy decoding.
 
 - `extraction_kernels`: a hybrid target's features and Gated DeltaNet outputs with the bound kernels
   and with the fallback, in bf16 and in float32, each against the fallback in float32.
-- `live_lossless`: speculative decoding checked token for token against plain decoding; where they
-  differ, the first divergence and the target's top-2 logit margin there.
+- `live_lossless`: speculative decoding checked token for token against plain decoding (where they differ, the
+  first divergence and the target's top-2 logit margin there), and every token it committed against the
+  target's argmax over its own output.
 """
 
 from __future__ import annotations
@@ -176,16 +177,19 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
     trained hybrid: the chain with recorded linear states, a DDTree as a batch of its paths) and the tiny
     Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but
     misses on purpose (so blocks are partly accepted) and a random real drafter. Each run records its first divergence
-    (`first_divergence`, None when identical) and its seconds; nothing is excused here: bench/gpu_checks.py judges.
+    (`first_divergence`, None when identical), every committed token against the target's argmax in one batched
+    forward over its output (`committed_tokens`: ties counted apart) and its seconds; bench/gpu_verdicts.py judges.
     `on_run(out)` after each run (the GPU check keeps it as its partial result and prints a line: a first run that
     pays the kernels' compiles and autotuning shows as such in the log)."""
     import os
     import time
 
+    from bench.gpu_verdicts import committed_tokens, tie_margin
     from dflash.config import DrafterConfig, LayersConfig, TargetConfig
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.drafter.build import build_drafter
     from dflash.evaluate.decode import greedy_generate, speculative_generate
+    from dflash.target.features import target_forward
     from dflash.target.loading import load_target
     from tests.oracle import OracleDrafter
 
@@ -214,11 +218,15 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
                         start = time.perf_counter()
                         res = speculative_generate(drafter, target, ids, new_tokens, tree_budget=budget)
                         seconds = time.perf_counter() - start
-                        div = first_divergence(target, plain, res.output_ids[0].tolist(), ids.shape[1])
+                        spec = res.output_ids[0].tolist()
+                        div = first_divergence(target, plain, spec, ids.shape[1])
                         taus, generated = res.acceptance_lengths, res.output_ids.shape[1] - ids.shape[1]
+                        with torch.no_grad():  # every committed token, by one forward over the whole output
+                            logits = target_forward(target, res.output_ids, [], logits_to_keep=generated + 1).logits
+                        checked = committed_tokens(spec, ids.shape[1], logits[0, :-1], tie_margin(dtype))
                         out["runs"].append({"target": name, "kernels": target.kernels, "dtype": dtype,
                                             "prompt": prompt.id, "drafter": kind, "tree_budget": budget,
-                                            "identical": div is None, "divergence": div,
+                                            "identical": div is None, "divergence": div, "tokens": checked,
                                             "tau": round(sum(taus) / len(taus), 3),
                                             "tokens_per_forward": round(generated / res.target_forwards, 3),
                                             "verify_tokens": res.verify_tokens, "seconds": round(seconds, 2)})

@@ -334,10 +334,13 @@ def test_extraction_kernels_run_at_the_real_head_dims_on_cpu():
     assert "linear heads 4/12 x 128" in figures and "bf16 0, float32 0" in figures
 
 
-def _run(dtype, drafter="oracle", margin=None, target="toy"):
+def _run(dtype, drafter="oracle", margin=None, target="toy", clear=0):
     div = None if margin is None else {"at": 7, "plain": [11], "spec": [12], "lengths": [32, 32], "margin": margin}
+    first = [{"at": 20, "token": 40, "argmax": 41, "gap": 1.5, "top2_margin": 1.5}] * clear
+    tokens = {"tokens": 32, "ties": 2, "non_ties": 30, "off_at_ties": int(margin is not None),
+              "off_at_non_ties": clear, "clear": clear, "margin": 0.1, "first_clear": first}
     return {"target": target, "kernels": {}, "dtype": dtype, "prompt": "p", "drafter": drafter, "tree_budget": None,
-            "identical": div is None, "divergence": div, "tau": 3.0, "tokens_per_forward": 2.5,
+            "identical": div is None, "divergence": div, "tokens": tokens, "tau": 3.0, "tokens_per_forward": 2.5,
             "verify_tokens": 90}
 
 
@@ -352,6 +355,68 @@ def test_lossless_is_exact_in_float32_and_bf16_divergences_are_listed_with_margi
     assert tie32["status"] == "FAIL" and "float32: 1 runs differ" in tie32["summary"]
     clear = lossless_verdict({"runs": [_run("float32"), _run("bfloat16", margin=0.5)]})
     assert clear["status"] == "FAIL" and "clear logit margin" in clear["summary"]
+
+
+def test_lossless_checks_every_committed_token_past_the_first_divergence():
+    """A bf16 run that first departs from plain decoding at a tie (margin 0.03) and later commits a token 1.5 below
+    the target's argmax over its own output FAILs (the old check stopped at the first divergence and passed it);
+    the figures count every committed token, ties apart; a run without the token check FAILs."""
+    from bench.gpu_checks import lossless_verdict
+
+    runs = [_run("float32"), _run("bfloat16"), _run("bfloat16", "random", margin=0.03, clear=1)]
+    verdict = lossless_verdict({"runs": runs})
+    assert verdict["status"] == "FAIL", verdict["summary"]
+    assert ("bfloat16: 1 committed tokens are not the target's argmax by a clear margin (>= 0.1): "
+            "toy/p/random token 20 (40, argmax 41, 1.5 below it)") in verdict["summary"]
+    assert "64 tokens, 60 non-ties (1 not the argmax), 4 ties (top-2 margin < 0.1; 1 not the argmax)" in verdict[
+        "summary"]
+    unchecked = {k: v for k, v in _run("bfloat16").items() if k != "tokens"}
+    assert "1 runs were not checked token by token" in lossless_verdict({"runs": [_run("float32"), unchecked]})[
+        "summary"]
+
+
+def test_committed_tokens_are_each_the_targets_argmax_ties_apart():
+    """Hand-made logits over a vocabulary of 4: committed tokens at the argmax pass; one a rounding apart from the
+    top at a tie is counted, not failed; one 2.0 below the top at a clear position is a clear miss, wherever it is
+    (after a tie included)."""
+    from bench.gpu_verdicts import committed_tokens
+
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0],   # token 0, clear
+                           [2.0, 2.05, 0.0, 0.0],  # a tie (margin 0.05): 0 committed, 1 the argmax
+                           [0.0, 0.0, 3.0, 1.0],   # token 2, clear
+                           [0.0, 3.0, 1.0, 0.0]])  # token 1 is the argmax by 2.0: 2 committed
+    out = committed_tokens([9, 9, 0, 0, 2, 2], 2, logits, 0.1)
+    assert {k: out[k] for k in ("tokens", "ties", "non_ties", "off_at_ties", "off_at_non_ties", "clear")} == {
+        "tokens": 4, "ties": 1, "non_ties": 3, "off_at_ties": 1, "off_at_non_ties": 1, "clear": 1}
+    assert out["first_clear"] == [{"at": 3, "token": 2, "argmax": 1, "gap": 2.0, "top2_margin": 2.0}]
+    assert committed_tokens([9, 9, 0, 1, 2, 1], 2, logits, 0.1)["clear"] == 0
+
+
+def test_committed_tokens_of_a_tiny_targets_greedy_output(tiny_targets):
+    """On a tiny Qwen3, greedy decoding's output passes against one batched forward over it; the same output with
+    one token after the prompt replaced by one the target ranks far below fails at that token (and the ones after
+    it see another context, so they are judged on it, as a speculative run's would be)."""
+    from bench.gpu_verdicts import committed_tokens
+    from dflash.evaluate.decode import greedy_generate
+    from dflash.target.features import target_forward
+
+    target = tiny_targets["tiny_qwen3"]
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41]])
+    out = greedy_generate(target, ids, 24)
+
+    def check(output):
+        with torch.no_grad():
+            logits = target_forward(target, output, [], logits_to_keep=output.shape[1] - ids.shape[1] + 1).logits
+        return committed_tokens(output[0].tolist(), ids.shape[1], logits[0, :-1], 1e-3)
+
+    good = check(out)
+    assert good["tokens"] == 24 and good["clear"] == 0 and good["ties"] + good["non_ties"] == 24
+    with torch.no_grad():
+        row = target_forward(target, out[:, :ids.shape[1] + 10], [], logits_to_keep=1).logits[0, -1]
+    bad = out.clone()
+    bad[0, ids.shape[1] + 10] = int(row.argmin())  # the token the target ranks last after that context
+    broken = check(bad)
+    assert broken["clear"] >= 1 and broken["first_clear"][0]["at"] == 10
 
 
 def test_first_divergence_names_the_token_and_the_targets_margin(tiny_targets):
