@@ -39,24 +39,35 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selector's K-way cross-entropy per row and its choice: ([N], [N] token ids).
+                prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's K-way cross-entropy per row, its choice as served, and the gold token where the unary top-K
+    holds it: ([N], [N] token ids, [N] token ids or -1).
 
     hidden [N, H], logits [N, V] (the unary scores), labels [N] (gold), prev [N] (the previous gold token: the
-    anchor at slot 1; teacher forcing). The candidates are the unary top-K with the gold token put in place of
-    the K-th when it is missing, so every row has a target; the scores are unary + pairwise. The unary scores
-    enter as constants: the drafter's own per-slot loss trains them, and a gradient through them would make a
-    second dense [N, V] logits gradient (the gather's backward), 1.8x the DFlash step on the benchmark; the
-    selector's loss trains the codebooks, the projection and, through the projection, the drafter's hidden
-    states.
+    anchor at slot 1; teacher forcing). The loss's candidates are the unary top-K with the gold token put in place
+    of the K-th when it is missing, so every row has a target; the scores are unary + pairwise. The choice is the
+    best of the unary top-K alone, as decoding chooses: a gold token outside them is never chosen (on the loss's
+    candidates it could be, and train/tau counted it). The third output makes the oracle (top-K recall per slot,
+    and its streak: the selector's ceiling). One score per candidate, the top-K's and the gold's ([N, K + 1]),
+    serves both sets.
+    The unary scores enter as constants: the drafter's own per-slot loss trains them, and a gradient through them
+    would make a second dense [N, V] logits gradient (the gather's backward), 1.8x the DFlash step on the
+    benchmark; the selector's loss trains the codebooks, the projection and, through the projection, the
+    drafter's hidden states.
     """
     logits = logits.detach()
     cand = selector.candidates(logits)[1]
-    missing = ~(cand == labels[:, None]).any(-1)
-    cand = torch.cat([cand[:, :-1], torch.where(missing, labels, cand[:, -1])[:, None]], 1)
-    scores = selector.scores(hidden, logits.gather(-1, cand), cand, prev)
-    gold = (cand == labels[:, None]).int().argmax(-1)
-    return F.cross_entropy(scores, gold, reduction="none"), cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    K = cand.shape[-1]
+    hit = cand == labels[:, None]
+    held = hit.any(-1)
+    both = torch.cat([cand, labels[:, None]], 1)  # the unary top-K, then the gold token
+    scores = selector.scores(hidden, logits.gather(-1, both), both, prev)
+    # the loss's K: the top-K when it holds the gold (its extra column dropped), else the gold in the K-th's place
+    dropped = torch.where(held, K, K - 1)
+    gold = torch.where(held, hit.int().argmax(-1), K)
+    ce = F.cross_entropy(scores.scatter(-1, dropped[:, None], float("-inf")), gold, reduction="none")
+    choice = cand.gather(-1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
+    return ce, choice, torch.where(held, labels, torch.full_like(labels, -1))
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
@@ -71,8 +82,8 @@ def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_
     ce = F.cross_entropy(logits, labels, reduction="none")
     if selector is None:
         return (ce * row_weight).sum(), logits.argmax(-1)
-    sel, sel_pred = selector_ce(selector, hidden, logits, labels, prev)
-    return (ce * row_weight).sum(), logits.argmax(-1), (sel * sel_weight).sum(), sel_pred
+    sel, sel_pred, held = selector_ce(selector, hidden, logits, labels, prev)
+    return (ce * row_weight).sum(), logits.argmax(-1), (sel * sel_weight).sum(), sel_pred, held
 
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -84,7 +95,8 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     logits are made chunk by chunk of rows and recomputed in backward (activation
     checkpointing), so peak memory holds one chunk's logits instead of N x vocab; below it
     they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight
-    [N]) also the selector's weighted CE sum and choices [N] (`selector_ce`) from the same logits.
+    [N]) also the selector's weighted CE sum, its choices [N] and the gold tokens its candidates hold [N]
+    (`selector_ce`) from the same logits.
     """
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     extra = () if selector is None else (selector,)
@@ -105,7 +117,8 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
 class LossTerms:
     """What `block_terms` returns: the per-slot loss's weighted sum, its weight sum (no gradient) and the argmax
     predictions [..., B] (-1 where there is no label); for DFlash 2 also the selector's CE weighted by the decay
-    slot weights, that weight sum, and the selector's choices [..., B] (previous gold token as predecessor)."""
+    slot weights, that weight sum, the selector's choices among the unary top-K [..., B] (previous gold token as
+    predecessor) and the oracle's [..., B] (the label where the unary top-K holds it, else -1)."""
 
     loss_sum: torch.Tensor
     weight_sum: torch.Tensor
@@ -113,6 +126,7 @@ class LossTerms:
     selector_sum: torch.Tensor | None = None
     selector_weight_sum: torch.Tensor | None = None
     selector_predictions: torch.Tensor | None = None
+    oracle_predictions: torch.Tensor | None = None
 
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -188,6 +202,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
         if sel:
             terms.selector_sum, terms.selector_weight_sum = out[2], terms.weight_sum
             terms.selector_predictions = _scatter_predictions(labels, rows, out[3])
+            terms.oracle_predictions = _scatter_predictions(labels, rows, out[4])
         return terms
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting={weighting!r}: decay or dpace")
@@ -211,6 +226,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     if sel:
         terms.selector_sum, terms.selector_weight_sum = (out[3] * decay[rows]).sum(), decay.sum()
         terms.selector_predictions = _scatter_predictions(labels, rows, out[4])
+        terms.oracle_predictions = _scatter_predictions(labels, rows, out[5])
     return terms
 
 
@@ -330,8 +346,8 @@ def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     target_logits [N, V] KL(softmax(target) || softmax(drafter)), or with target_topk (block_loss) the
     top-k KL; objective (block_terms') tv: 1 - alpha, nla: -log alpha, expected_tau: alpha itself (the
     block loss is made of the rates, `expected_rejections`), alpha at `temperature` (`log_acceptance`,
-    `log_acceptance_topk`); with a selector (prev [N]) also its CE and choices [N] (`selector_ce`). Chunked
-    over rows as `weighted_ce`."""
+    `log_acceptance_topk`); with a selector (prev [N]) also its CE, choices [N] and oracle [N] (`selector_ce`).
+    Chunked over rows as `weighted_ce`."""
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     top = tuple(target_topk) if target_topk is not None else (None, None, None)

@@ -22,8 +22,8 @@ from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
 from dflash.drafter.sampling import Sampling, candidate_sampling, probs, stored_acceptance, stored_probs
 from dflash.errors import CacheError
-from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth, walk,
-                                  walk_variants)
+from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth,
+                                  walk, walk_variants)
 from dflash.io import write_json, write_jsonl
 from dflash.tracking import Progress
 

@@ -231,17 +231,21 @@ def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_ep
     returns them."""
     w = window_totals(acc, state.window)
     elapsed = max(time.time() - state.window_start, 1e-9)
-    counts = {k: v for k, v in w["counts"].items() if not k.startswith("unary_")}
+    counts = {k: v for k, v in w["counts"].items() if not k.startswith(("unary_", "oracle_"))}
     out = {"train/loss": w["loss_sum"] / max(w["weight"], 1e-12),
            **metrics.finalize(counts, "train"),
            "train/lr": m.scheduler.get_last_lr()[0], "train/grad_norm": w["grad_norm"],
            "train/tokens_per_s": w["tokens"] / elapsed, "train/anchors_per_s": w["anchors"] / elapsed,
            "train/peak_memory_gb": peak_memory_bytes(acc.device) / 2**30,
            "train/epoch": state.step / steps_per_epoch}
-    if "selector_sum" in w:  # DFlash 2: train/tau and acc@k are the selector's; the argmax path's beside them
+    if "selector_sum" in w:  # DFlash 2: train/tau and acc@k are the selector's, as served (among the unary top-K);
+        # the argmax path's and the oracle's (gold among the unary top-K: recall per slot, its streak the ceiling)
         out["train/selector_loss"] = w["selector_sum"] / max(w["selector_weight"], 1e-12)
-        out.update(metrics.finalize({k.removeprefix("unary_"): v for k, v in w["counts"].items()
-                                     if k.startswith("unary_")}, "train/unary"))
+        for part in ("unary", "oracle"):
+            out.update(metrics.finalize({k.removeprefix(f"{part}_"): v for k, v in w["counts"].items()
+                                         if k.startswith(f"{part}_")}, f"train/{part}"))
+        oracle = w["counts"]
+        out["train/topk_recall"] = float(oracle["oracle_correct"].sum() / oracle["oracle_valid"].sum().clamp_min(1))
     if flex_compile_count():  # bounded by the length buckets (see dflash.drafter.blocks.flex_padded_shape)
         out["train/flex_compiles"] = flex_compile_count()
     logger.log(out, state.step)

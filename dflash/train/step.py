@@ -165,7 +165,9 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
         if selector is not None:  # the selector's choices are what a DFlash 2 drafter drafts: train/tau is theirs
             window["selector_sum"] = window.get("selector_sum", 0.0) + terms.selector_sum.detach().double()
             unary = {f"unary_{k}": v for k, v in counts.items()}
-            counts = {**metrics.count(terms.selector_predictions, blocks.labels, blocks.label_mask), **unary}
+            oracle = {f"oracle_{k}": v for k, v in metrics.count(terms.oracle_predictions, blocks.labels,
+                                                                 blocks.label_mask).items()}
+            counts = {**metrics.count(terms.selector_predictions, blocks.labels, blocks.label_mask), **unary, **oracle}
         window["counts"] = metrics.add(window.get("counts"), counts)
         window["tokens"] = window.get("tokens", 0) + batch.num_tokens
         window["anchors"] = window.get("anchors", 0) + batch.num_blocks

@@ -84,9 +84,11 @@ def test_packed_dflash2_forward_equals_one_block_inference(layer_types, window, 
                                    torch.tensor([1, 7, 8, 12, 13, 25, 29]))
 
 
-def test_selector_loss_puts_the_gold_token_among_the_candidates():
-    """Gold outside the unary top-K takes the K-th place; the CE is over K candidates, scored unary + pairwise
-    with the previous gold token as predecessor, and trains the codebooks, the projection and the hidden states."""
+def test_selector_loss_puts_the_gold_token_among_the_candidates_and_chooses_as_served():
+    """Gold outside the unary top-K takes the K-th place in the loss; the CE is over K candidates, scored unary +
+    pairwise with the previous gold token as predecessor, and trains the codebooks, the projection and the hidden
+    states. The choice is among the unary top-K alone, as decoding chooses: a gold token outside them, scored
+    above all of them here, is never chosen (it was, and train/tau counted it), and the oracle says it is missing."""
     torch.manual_seed(0)
     sel = CandidateSelector(16, 50, rank=8, top_k=4)
     hidden = torch.randn(3, 16, requires_grad=True)
@@ -94,16 +96,25 @@ def test_selector_loss_puts_the_gold_token_among_the_candidates():
     order = logits.detach().argsort(-1, descending=True)
     labels = torch.stack([order[0, 0], order[1, 2], order[2, 30]])  # in the top-4, in it, far outside it
     prev = torch.tensor([5, 6, 7])
-    ce, choice = selector_ce(sel, hidden, logits, labels, prev)
+    with torch.no_grad():  # the missing gold token's pairwise score far above every candidate's
+        mixed = sel.predecessor_codebook[7] * sel.hidden_projection(hidden[2])
+        sel.successor_codebook[labels[2]] = 100 * mixed / mixed.norm()
+    ce, choice, oracle = selector_ce(sel, hidden, logits, labels, prev)
     for i in range(3):
-        cand = order[i, :4].clone()
+        strict = order[i, :4].clone()
+        cand = strict.clone()
         if labels[i] not in cand:
             cand[-1] = labels[i]
-        pair = (sel.predecessor_codebook[prev[i]] * sel.hidden_projection(hidden[i])) @ sel.successor_codebook[cand].T
-        scores = logits[i, cand] + pair
+
+        def score(c):
+            pair = (sel.predecessor_codebook[prev[i]] * sel.hidden_projection(hidden[i])) @ sel.successor_codebook[c].T
+            return logits[i, c] + pair
+
         gold = int((cand == labels[i]).nonzero())
-        assert ce[i].item() == pytest.approx(F.cross_entropy(scores[None], torch.tensor([gold])).item(), rel=1e-5)
-        assert choice[i] == cand[scores.argmax()]
+        assert ce[i].item() == pytest.approx(F.cross_entropy(score(cand)[None], torch.tensor([gold])).item(), rel=1e-5)
+        assert choice[i] == strict[score(strict).argmax()]
+        assert oracle[i] == (labels[i] if labels[i] in strict else -1)
+    assert score(cand).argmax() == 3 and choice[2] != labels[2]  # the injected gold would have won
     ce.sum().backward()
     assert sel.predecessor_codebook.grad[5:8].abs().sum() > 0 and sel.hidden_projection.weight.grad.abs().sum() > 0
     assert hidden.grad.abs().sum() > 0  # through the projection: the drafter is trained by the selector too
@@ -122,11 +133,12 @@ def test_joint_loss_terms_weigh_the_selector_by_the_decay_weights():
     rows = mask.reshape(-1).nonzero().flatten()
     prev = torch.roll(labels, 1, -1).reshape(-1)[rows]  # slot k after slot k-1's label, slot 1 after the anchor
     flat_h = hidden.reshape(-1, 8)[rows]
-    ce, choice = selector_ce(sel, flat_h, flat_h @ W.T, labels.reshape(-1)[rows], prev)
+    ce, choice, oracle = selector_ce(sel, flat_h, flat_h @ W.T, labels.reshape(-1)[rows], prev)
     w = (slot_weights(4, 2.0) * mask).reshape(-1)[rows]
     assert terms.selector_sum.item() == pytest.approx((ce * w).sum().item(), rel=1e-5)
     assert terms.selector_weight_sum.item() == terms.weight_sum.item() == pytest.approx(w.sum().item())
     assert torch.equal(terms.selector_predictions.reshape(-1)[rows], choice)
+    assert torch.equal(terms.oracle_predictions.reshape(-1)[rows], oracle)
     for kind in ({"weighting": "dpace"}, {"target_logits": torch.randn(len(rows), 40)}):  # any per-slot loss
         other = block_terms(hidden, W, labels, mask, 2.0, selector=sel, **kind)
         assert other.selector_sum.item() == pytest.approx(terms.selector_sum.item(), rel=1e-5)

@@ -27,8 +27,12 @@ def test_a_dflash2_run_trains_both_parts_and_evaluates_its_selector(workdir):
                  "train.save_every=6", "train.batch_size=4", "data.limit=4", "optim.lr=1e-2", "eval.ddtree_budgets=[4]")
     run = train(job_for(workdir, "d2", *overrides, target="tiny_qwen3"))
     rows = [r for r in metrics(run) if "train/loss" in r]
-    for key in ("train/selector_loss", "train/tau", "train/acc@1", "train/unary/tau", "train/unary/acc@1"):
+    for key in ("train/selector_loss", "train/tau", "train/acc@1", "train/unary/tau", "train/unary/acc@1",
+                "train/oracle/tau", "train/oracle/acc@1", "train/topk_recall"):
         assert key in rows[-1] and torch.isfinite(torch.tensor(rows[-1][key])), key
+    for row in rows:  # served semantics: the selector is right only where the unary top-K holds the gold token
+        assert row["train/tau"] <= row["train/oracle/tau"] and row["train/acc@1"] <= row["train/oracle/acc@1"]
+        assert 0 <= row["train/topk_recall"] <= 1
     assert rows[-1]["train/selector_loss"] < rows[0]["train/selector_loss"]
     ckpts = RunLayout(run).list_checkpoints()
     first, last = (load_file(c / "model.safetensors") for _, c in (ckpts[0], ckpts[-1]))
