@@ -17,6 +17,7 @@ import argparse
 import importlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -42,9 +43,12 @@ GRAD_COS_MIN = 0.99
 # check -> time limit in seconds on an H200: the three timing checks alone, one after the other (each pays
 # a cold compile of flex attention; on the first H200 they took 46 s, 31 s and 26 s), then the rest side by side
 # within what is left of 480 s, so that bench/gpu_check.sh with its install ends within 10 minutes. The two
-# checks that run fla's kernels spend most of their time in Triton's autotuning of them, once per key and dtype
-# in a fresh process (2026-12-04 H200: 22 autotunings, 234 s, in fla_kernels; 17, 143 s, in live_lossless; a
-# first forward 45 s): side by side with each other only they took 264 s and 282 s, past the 150 s they had
+# checks that run fla's kernels spend most of their time in Triton's autotuning of them, once per kernel and key
+# (shapes and dtypes) for an empty Triton cache directory: fla passes cache_results to Triton's autotuner (Triton
+# >= 3.4), which keeps each result there for later processes; a fresh device machine starts with none
+# (2026-12-04 H200: 22 autotunings, 234 s, in fla_kernels; 17, 143 s, in live_lossless; a first forward 45 s):
+# side by side with each other only they took 264 s and 282 s, past the 150 s they had. The report records the
+# autotunings each check ran and the cache's results before and after (bench/gpu_runner.py)
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
             "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150}
 # their tokens/s and MFU need the GPU to themselves (bench.plan takes a preset's MFU from its step): the DFlash 2
@@ -269,7 +273,10 @@ def main(argv=None) -> int:
     names = args.only or list(CHECKS)
     for name in names:
         resolve(name)  # an unknown name stops here, not in a child
-    report = run_all(names, args.budget, args.results, run_plan(names))
+    command = shlex.join(["python", "-m", "bench.gpu_checks", *(sys.argv[1:] if argv is None else argv)])
+    if os.environ.get("GPU_CHECK_INSTALL"):  # set by bench/gpu_check.sh only
+        command = f"bash bench/gpu_check.sh, which ran: {command}"
+    report = run_all(names, args.budget, args.results, run_plan(names), command)
     return 1 if report["summary"]["FAIL"] else 0
 
 

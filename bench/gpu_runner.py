@@ -7,15 +7,22 @@ that survives a killed check (or a killed run).
 - A check past its time limit is killed with its process group (compile workers included); its partial
   result, if any, goes into its FAIL entry. A result or partial file that does not parse (written by
   something else, or a full disk) is skipped with a note, never fatal.
-- The report, bench/results/<date>-<machine>-gpu-check.json (and a copy under $OUT when set), is
-  rewritten after every check: a run killed half-way leaves the checks it finished, `complete: false`
-  and the `pending` list.
+- The report, bench/results/<date>-<machine>-gpu-check.json (`-2`, `-3` ... for later runs that day: a run never
+  overwrites another's report; a copy under $OUT when set), is rewritten after every check: a run killed half-way
+  leaves the checks it finished, `complete: false` and the `pending` list.
+- Everything in it is written here, at run time: when it started, the machine, the device, the git commit, the
+  command, the waves the checks ran in (and per check whether it had the GPU alone), the Triton cache directory
+  and the autotuning results it held before and after, and per check the Triton autotunings it ran (counted
+  from its log: the runner sets TRITON_PRINT_AUTOTUNING=1). Nothing is added to a report afterwards: notes go in
+  README or a `<report>.notes.md` next to it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -50,10 +57,32 @@ def read_result(path: Path) -> tuple[dict | None, str | None]:
     return obj, None
 
 
+# what Triton's autotuner prints for each autotuning it runs (not for a result found in its cache) under
+# TRITON_PRINT_AUTOTUNING=1: "Triton autotuning for function NAME,\nwith key as KEY,\nfinished after 1.23s,\n..."
+# (before Triton 3.3: "... function NAME finished after 1.23s; ...")
+AUTOTUNED = re.compile(r"Triton autotuning for function (\w+),?\s*(?:with key as (.*?),\s*)?finished after ([\d.]+)s",
+                       re.S)
+
+
+def autotunings(log: str) -> dict:
+    """The Triton autotunings a check's log shows: how many, their seconds, and each (kernel, key, seconds)."""
+    runs = [{"kernel": k, "key": key or None, "seconds": float(t)} for k, key, t in AUTOTUNED.findall(log)]
+    return {"count": len(runs), "seconds": round(sum(r["seconds"] for r in runs), 2), "runs": runs}
+
+
+def triton_cache() -> dict:
+    """Triton's cache directory (TRITON_CACHE_DIR, else $TRITON_HOME or ~, then .triton/cache) and how many
+    autotuning results it holds: an autotuner with cache_results (fla's, Triton >= 3.4) autotunes a key only when
+    the directory has no result for it."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR")
+                  or Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache")
+    return {"dir": str(folder), "autotune_results": len(list(folder.glob("*/*.autotune.json")))}
+
+
 def spawn(name: str, budget: float, timeout: float, workdir: Path):
     """Check `name` in a child process of its own session (so a timeout also ends its compile workers)."""
     log = (workdir / f"{_stem(name)}.log").open("w")
-    env = {**os.environ, PARTIAL_ENV: str(workdir / f"{_stem(name)}.partial.json")}
+    env = {"TRITON_PRINT_AUTOTUNING": "1", **os.environ, PARTIAL_ENV: str(workdir / f"{_stem(name)}.partial.json")}
     cmd = [sys.executable, "-m", "bench.gpu_checks", "--check", name, "--result",
            str(workdir / f"{_stem(name)}.json"), "--budget", str(budget)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -79,9 +108,11 @@ def collect(name: str, proc, deadline: float, timeout: float, workdir: Path) -> 
         if result is None:
             result = {"status": "FAIL", "summary": f"the check's process exited {proc.returncode} without a result"
                                                    + (f" ({note})" if note else "")}
-    if result["status"] == "FAIL":
-        log = workdir / f"{stem}.log"
-        result["log_tail"] = log.read_text(errors="replace").splitlines()[-30:] if log.exists() else []
+    log = workdir / f"{stem}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    result["triton_autotuning"] = autotunings(text)
+    if result["status"] == "FAIL":  # the log's tail, less the autotuner's line per config it tries
+        result["log_tail"] = [ln for ln in text.splitlines() if not ln.startswith("Autotuning kernel ")][-30:]
     return result
 
 
@@ -97,13 +128,20 @@ def _stem(name: str) -> str:  # a check named module:function (tests) gets a fil
 class Report:
     """The report file(s), rewritten (atomically) after every check."""
 
-    def __init__(self, names: list[str], results_dir: Path, device: str):
+    def __init__(self, names: list[str], results_dir: Path, device: str, command: str, waves: list[list[str]]):
         from bench.run import _machine_tag, machine
+        from dflash.tracking import git_commit
 
         self.start, info = time.time(), machine()
-        self.data = {"date": time.strftime("%Y-%m-%d"), "machine": info, "device": device, "checks": {},
+        # the checkout may come without .git (a device machine gets the working tree): GPU_CHECK_COMMIT names it
+        self.data = {"date": time.strftime("%Y-%m-%d"), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                     "machine": info, "device": device, "commit": git_commit() or os.environ.get("GPU_CHECK_COMMIT"),
+                     "command": command, "waves": waves, "triton_cache": triton_cache(), "checks": {},
                      "pending": list(names), "complete": False}
-        name = f"{self.data['date']}-{_machine_tag(info)}-gpu-check.json"
+        self.data["triton_cache"]["autotune_results_before"] = self.data["triton_cache"].pop("autotune_results")
+        stem = f"{self.data['date']}-{_machine_tag(info)}-gpu-check"
+        name = next(f"{stem}{n}.json" for n in ["", *(f"-{i}" for i in range(2, 10_000))]
+                    if not (results_dir / f"{stem}{n}.json").exists())  # another run's report stays as it was
         self.paths = [results_dir / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
         install = os.environ.get("GPU_CHECK_INSTALL")  # bench/gpu_check.sh's own first line
         if install:  # already printed by the script
@@ -125,16 +163,19 @@ class Report:
         self.data["summary"] = {s: statuses.count(s) for s in ("PASS", "FAIL", "SKIP")}
         self.data["complete"] = complete
         self.data["total_seconds"] = round(time.time() - self.start, 1)
+        self.data["triton_cache"]["autotune_results_after"] = triton_cache()["autotune_results"]
         for path in self.paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, self.data)
 
 
-def run_all(names: list[str], budget: float, results_dir: Path, plan: dict) -> dict:
+def run_all(names: list[str], budget: float, results_dir: Path, plan: dict, command: str | None = None) -> dict:
     """Every check of `names` in its own process, wave by wave (`plan["waves"]`: the checks that time the
     GPU alone first, then the rest side by side), each within min(its time limit, the budget left).
-    plan: {"waves": [[name, ...], ...], "timeout": fn(name) -> s, "skip": fn(name) -> result or None}."""
-    report = Report(names, results_dir, plan["device"])
+    plan: {"waves": [[name, ...], ...], "timeout": fn(name) -> s, "skip": fn(name) -> result or None}.
+    command: the command line the report records (default: this process's)."""
+    command = command or shlex.join([Path(sys.executable).name, *sys.argv])
+    report = Report(names, results_dir, plan["device"], command, plan["waves"])
     out = os.environ.get("OUT")
     keep = Path(out) / "gpu-check-logs" if out else None  # under $OUT the logs come back even after a kill
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

@@ -106,14 +106,18 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
         shape = r.get("shape")
         return shape.partition(":")[0].split() if isinstance(shape, str) else []
 
-    median, steps = None, []
-    for path in sorted(results.glob("*.json"), reverse=True):  # the names start with the date
+    files = []
+    for path in results.glob("*.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        gpu = isinstance(data, dict) and data.get("device", "cpu") != "cpu"
-        found = [(name, r, recomputed(r, overrides(r))) for name, r in measured(data)] if gpu else []
+        if isinstance(data, dict) and data.get("device", "cpu") != "cpu":
+            files.append((path.name[:10], str(data.get("started", "")), path.name, path, data))
+    median, steps = None, []
+    # newest first: by the date the names start with, then by when a run started (a report says since it records it)
+    for *_, path, data in sorted(files, key=lambda f: f[:3], reverse=True):
+        found = [(name, r, recomputed(r, overrides(r))) for name, r in measured(data)]
         plain = [r for _, r, ckpt in found if not ckpt]
         if found and median is None:
             mfus = [float(r["mfu"]) for r in plain or [r for _, r, _ in found]]

@@ -168,6 +168,55 @@ def fake_sleeps(budget):
 fake_sleeps.timeout_s = 150
 
 
+def fake_autotunes(budget):
+    """What a check that runs fla's kernels prints under TRITON_PRINT_AUTOTUNING=1 (Triton 3.4+, and before 3.3)."""
+    print("Triton autotuning for function l2norm_fwd_kernel,\nwith key as (16, 1, 'torch.bfloat16', 'torch.float32'),"
+          "\nfinished after 7.41s,\nbest config selected: BD: 32, num_warps: 4;")
+    print("Autotuning kernel chunk_fwd_kernel_o with config BK: 64, num_warps: 4")
+    print("Triton autotuning for function chunk_fwd_kernel_o finished after 2.56s; best config selected: BK: 64;")
+    return {"status": "PASS", "summary": "autotuned twice"}
+
+
+def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
+    """Everything a report holds is written by the runner while it runs: the start, the commit, the command, the
+    waves and which checks had the machine alone, the Triton cache directory and its autotuning results before
+    and after, and per check the autotunings its log shows. A second run the same day writes a report of its own
+    (-2) and leaves the first as it was."""
+    from bench.gpu_checks import main
+    from bench.run import _machine_tag, machine
+    from dflash.tracking import git_commit
+
+    if torch.cuda.is_available():
+        pytest.skip("the fake checks run one by one on CPU only")
+    for k, v in {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("OUT", "GPU_CHECK_INSTALL", "TRITON_PRINT_AUTOTUNING"):
+        monkeypatch.delenv(k, raising=False)
+    cache = tmp_path / "triton"
+    (cache / "3f2a").mkdir(parents=True)
+    (cache / "3f2a" / "l2norm_fwd_kernel.autotune.json").write_text("{}")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = results / f"{time.strftime('%Y-%m-%d')}-{_machine_tag(machine())}-gpu-check.json"
+    earlier.write_text('{"checks": {}}')
+    names = ["tests.test_gpu_check:fake_autotunes", "tests.test_gpu_check:fake_pass"]
+    assert main(["--only", *names, "--results", str(results)]) == 0
+    assert earlier.read_text() == '{"checks": {}}'
+    report = json.loads(earlier.with_name(earlier.stem + "-2.json").read_text())
+    assert report["command"] == f"python -m bench.gpu_checks --only {' '.join(names)} --results {results}"
+    assert report["commit"] == git_commit() and report["started"].startswith(report["date"])
+    assert report["device"] == "cpu" and report["waves"] == [[n] for n in names]
+    assert all(report["checks"][n]["alone"] for n in names)
+    assert report["triton_cache"] == {"dir": str(cache), "autotune_results_before": 1, "autotune_results_after": 1}
+    tuned = report["checks"][names[0]]["triton_autotuning"]
+    assert (tuned["count"], tuned["seconds"]) == (2, 9.97)
+    assert tuned["runs"] == [
+        {"kernel": "l2norm_fwd_kernel", "key": "(16, 1, 'torch.bfloat16', 'torch.float32')", "seconds": 7.41},
+        {"kernel": "chunk_fwd_kernel_o", "key": None, "seconds": 2.56}]
+    assert report["checks"][names[1]]["triton_autotuning"] == {"count": 0, "seconds": 0, "runs": []}
+
+
 def test_a_broken_result_file_is_noted_not_fatal(tmp_path):
     from bench.gpu_runner import read_result
 

@@ -175,6 +175,13 @@ def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
                                                               "checkpointing": False, "alone": True}}}
     (tmp_path / "2026-12-05-nvidia-h200-gpu-check.json").write_text(json.dumps(recorded))
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[::2] == (0.3, False)  # as preset_step recorded it
+    later = {**recorded, "started": "2026-12-05T18:00:00+0000"}  # a second run that day: -2, after the first
+    later["checks"] = {"qwen3_6_step": {**recorded["checks"]["qwen3_6_step"], "mfu": 0.31}}
+    (tmp_path / "2026-12-05-nvidia-h200-gpu-check-2.json").write_text(json.dumps(later))
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31
+    (tmp_path / "2026-12-05-nvidia-h200-gpu-check.json").write_text(json.dumps(
+        {**recorded, "started": "2026-12-05T09:00:00+0000"}))
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31  # by its start, not its name
 
 
 def test_the_run_reads_the_configured_data(tmp_path):
