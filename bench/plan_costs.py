@@ -37,6 +37,7 @@ ASSUMED_MFU = 0.35
 LOADER_THREADS = 4  # transformers 5.x core_model_loading.GLOBAL_WORKERS (min(4, cpus))
 STORAGE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
 RESULTS = Path(__file__).resolve().parent / "results"
+HAND_EDITED = "hand_edited.json"  # in RESULTS: the fields of a result written by hand, not by the tool that measured
 # what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and
 # gradient checkpointing (a third more layer FLOPs) only where needed
 SETUPS = (("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True))
@@ -108,10 +109,7 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
 
     files = []
     for path in results.glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        data = tool_written(path)
         if isinstance(data, dict) and data.get("device", "cpu") != "cpu":
             files.append((path.name[:10], str(data.get("started", "")), path.name, path, data))
     median, steps = None, []
@@ -131,6 +129,33 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
         return mfu, (f"measured: {name}, experiment={experiment}'s step{' alone' if alone else ''}, in "
                      f"bench/results/{file}"), ckpt
     return median
+
+
+def tool_written(path: Path):
+    """A result file as the tool that measured it wrote it: its JSON less the fields HAND_EDITED (next to it) lists
+    for it ("checks/*/alone": that key in every entry under "checks"); None when it does not parse, or for
+    HAND_EDITED itself. A result is never edited afterwards; a file edited by hand before that rule keeps its
+    bytes, and its notes file says what the hand added."""
+    if path.name == HAND_EDITED:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        hand = json.loads((path.parent / HAND_EDITED).read_text()) if (path.parent / HAND_EDITED).exists() else {}
+    except (OSError, ValueError):
+        return None
+
+    def drop(x, keys: list[str]) -> None:
+        if not isinstance(x, dict):
+            return
+        if len(keys) == 1:
+            x.pop(keys[0], None)
+            return
+        for v in list(x.values()) if keys[0] == "*" else [x.get(keys[0])]:
+            drop(v, keys[1:])
+
+    for field in hand.get(path.name, {}).get("hand_written", []):
+        drop(data, field.split("/"))
+    return data
 
 
 def recomputed(result: dict, overrides: list[str]) -> bool:

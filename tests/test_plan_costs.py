@@ -184,6 +184,55 @@ def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
     assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31  # by its start, not its name
 
 
+def test_the_plan_reads_no_field_written_by_hand(tmp_path):
+    """A field hand_edited.json lists for a result (here "device" and every check's "alone", added by hand after
+    the run) is not read: a result whose device no tool recorded is no GPU result, and a step the hand marked
+    alone is not preferred as one timed alone."""
+    gpu = {"device": "cuda", "checks": {"qwen3_6_step": {"shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.28}}}
+    (tmp_path / "2026-12-04-h200-gpu-check.json").write_text(json.dumps(gpu))
+    rerun = {"device": "cuda", "why": "a note", "checks": {"qwen3_6_step_alone": {
+        "shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.2, "alone": True}, "other": {"alone": False}}}
+    (tmp_path / "2026-12-04-h200-gpu-check-rerun.json").write_text(json.dumps(rerun))
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.2  # the hand's "alone" and "device" read
+    (tmp_path / plan_costs.HAND_EDITED).write_text(json.dumps({"2026-12-04-h200-gpu-check-rerun.json": {
+        "notes": "x.notes.md", "hand_written": ["device", "why", "checks/*/alone"]}}))
+    assert plan_costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check-rerun.json") == {"checks": {
+        "qwen3_6_step_alone": {"shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.2}, "other": {}}}
+    assert plan_costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check.json") == gpu
+    assert plan_costs.tool_written(tmp_path / plan_costs.HAND_EDITED) is None
+    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
+
+
+def test_no_result_in_bench_results_gives_the_plan_a_field_a_tool_did_not_write(tmp_path):
+    """Every GPU check report in bench/results/ holds, as bench.plan reads it, only fields the runner writes (the
+    fields a Report writes at the top); the hand-edited one is listed in hand_edited.json with a notes file, its
+    listed fields are there in its bytes (it is never edited) and gone from what the plan reads; so no preset's
+    MFU comes from it (the first H200's DFlash 2 step is planned at what its full check recorded, 0.152, not at the
+    hand-annotated rerun's 0.197, while no newer report has the step)."""
+    from bench.gpu_runner import Report
+
+    report = Report(["a_check"], tmp_path, "cpu", "python -m bench.gpu_checks", [["a_check"]])
+    fields = set(json.loads(report.paths[0].read_text()))
+    hand = json.loads((plan_costs.RESULTS / plan_costs.HAND_EDITED).read_text())
+    reports = sorted(plan_costs.RESULTS.glob("*gpu-check*.json"))
+    assert len(reports) >= 3
+    for path in reports:
+        assert set(plan_costs.tool_written(path)) <= fields, path.name
+    for name, record in hand.items():
+        raw, read = json.loads((plan_costs.RESULTS / name).read_text()), plan_costs.tool_written(
+            plan_costs.RESULTS / name)
+        assert (plan_costs.RESULTS / record["notes"]).exists()
+        for field in record["hand_written"]:
+            top, _, rest = field.partition("/")
+            assert top in raw, (name, field)
+            if not rest:
+                assert top not in read
+        assert not any("alone" in c for c in read["checks"].values())
+    for experiment in (None, "qwen3_6_27b", "qwen3_6_27b_dflash2"):
+        where = plan_costs.measured_mfu(experiment=experiment)[1]
+        assert not any(where.endswith(f"bench/results/{name}") for name in hand), where
+
+
 def test_the_run_reads_the_configured_data(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(7)))
