@@ -209,8 +209,9 @@ class EvalConfig:
     warmup_tokens: int = 32
     """Live mode: before the timed decoding, the first prompt is decoded this many tokens, untimed and unscored,
     plainly and by each verifier, so that the kernels' compiles and autotuning are not timed as the first decoding's
-    cost (fla's Gated DeltaNet kernels autotune once per shape and dtype in a process: 45 s for the first forward of
-    a hybrid target on an H200, minutes in all); 0 = none. Changes the speedup and timing metrics only."""
+    cost (fla's Gated DeltaNet kernels autotune once per kernel and key for an empty Triton cache directory,
+    TRITON_CACHE_DIR: 45 s for the first forward of a hybrid target on a fresh H200, minutes in all; the compiles
+    are per process); 0 = none. Changes the speedup and timing metrics only."""
 
     def __post_init__(self) -> None:
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
