@@ -163,6 +163,9 @@ class NoiseConfig:
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 ACCEPTANCE_OBJECTIVES = ("tv", "nla", "expected_tau")  # made of the acceptance rates (dflash.drafter.loss)
 SOFT_OBJECTIVES = ("kl", *ACCEPTANCE_OBJECTIVES)  # read the target's next-token distribution
+SELECTOR_CHOICES = {"gradient": ("coupled", "detach_unary", "stop"), "gold": ("inject", "strict"),
+                    "weights": ("decay", "follow"), "init": ("normal", "zero"), "labels": ("data", "target")}
+"""The values of loss.selector_<key> (dflash.drafter.selector_loss says what each does)."""
 
 
 @dataclass

@@ -136,15 +136,18 @@ class CandidateSelector(nn.Module):
         """logits [..., V] -> (unary scores [..., K], candidate ids [..., K]), best first."""
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)
 
-    def pairwise(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]."""
-        mixed = F.embedding(prev, self.predecessor_codebook) * self.hidden_projection(hidden)
+    def pairwise(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor,
+                 dropout: float = 0.0) -> torch.Tensor:
+        """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]. dropout:
+        on the predecessor's row P[prev], a regulariser of training only (loss.selector_dropout; decoding has 0)."""
+        pred = F.embedding(prev, self.predecessor_codebook)
+        mixed = (F.dropout(pred, dropout) if dropout > 0 else pred) * self.hidden_projection(hidden)
         return torch.einsum("...r,...kr->...k", mixed, F.embedding(cand, self.successor_codebook).to(mixed.dtype))
 
     def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
-               prev: torch.Tensor) -> torch.Tensor:
-        """Each candidate's score after the given predecessor tokens: [..., K] (prev [...])."""
-        return unary.float() + self.pairwise(hidden, prev, cand).float()
+               prev: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+        """Each candidate's score after the given predecessor tokens: [..., K] (prev [...]; dropout: `pairwise`)."""
+        return unary.float() + self.pairwise(hidden, prev, cand, dropout).float()
 
     def transitions(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
                     anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

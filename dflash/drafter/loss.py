@@ -15,8 +15,8 @@ Per labelled slot k (1 <= k < B; slot 0 is the given token and never counts) a r
 The caller divides the weighted sum by a normaliser (the sum of the weights, or the count of valid anchors) taken
 over a whole optimizer step on all processes, so accumulation and DDP stay exact (dflash.train.step).
 
-DFlash 2 adds the candidate selector's K-way cross-entropy (`selector_ce`), computed from the same chunk of logits
-(the LM head runs once per row), weighted by the decay slot weights and returned apart (`LossTerms`).
+DFlash 2 adds the candidate selector's K-way cross-entropy (dflash.drafter.selector_loss), computed from the same
+chunk of logits (the LM head runs once per row), weighted by its slot weights and returned apart (`LossTerms`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash.drafter.model import Scales
+from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -38,38 +39,6 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
-def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The selector's K-way cross-entropy per row, its choice as served, and the gold token where the unary top-K
-    holds it: ([N], [N] token ids, [N] token ids or -1).
-
-    hidden [N, H], logits [N, V] (the unary scores), labels [N] (gold), prev [N] (the previous gold token: the
-    anchor at slot 1; teacher forcing). The loss's candidates are the unary top-K with the gold token put in place
-    of the K-th when it is missing, so every row has a target; the scores are unary + pairwise. The choice is the
-    best of the unary top-K alone, as decoding chooses: a gold token outside them is never chosen (on the loss's
-    candidates it could be, and train/tau counted it). The third output makes the oracle (top-K recall per slot,
-    and its streak: the selector's ceiling). One score per candidate, the top-K's and the gold's ([N, K + 1]),
-    serves both sets.
-    The unary scores enter as constants: the drafter's own per-slot loss trains them, and a gradient through them
-    would make a second dense [N, V] logits gradient (the gather's backward), 1.8x the DFlash step on the
-    benchmark; the selector's loss trains the codebooks, the projection and, through the projection, the
-    drafter's hidden states.
-    """
-    logits = logits.detach()
-    cand = selector.candidates(logits)[1]
-    K = cand.shape[-1]
-    hit = cand == labels[:, None]
-    held = hit.any(-1)
-    both = torch.cat([cand, labels[:, None]], 1)  # the unary top-K, then the gold token
-    scores = selector.scores(hidden, logits.gather(-1, both), both, prev)
-    # the loss's K: the top-K when it holds the gold (its extra column dropped), else the gold in the K-th's place
-    dropped = torch.where(held, K, K - 1)
-    gold = torch.where(held, hit.int().argmax(-1), K)
-    ce = F.cross_entropy(scores.scatter(-1, dropped[:, None], float("-inf")), gold, reduction="none")
-    choice = cand.gather(-1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
-    return ce, choice, torch.where(held, labels, torch.full_like(labels, -1))
-
-
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
     """float32 logits [N, V] of hidden [N, H] through the target head `weight` [V, H], with the target's output
     multiplier and softcap (`scales`: the drafter's, Scales.logits as evaluation and decoding make them; None =
@@ -77,48 +46,52 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | Non
     return (scales or Scales()).logits(hidden, weight)
 
 
-def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, *, scales=None):
+def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, gold=None,
+              options=SelectorOptions(), *, scales=None):
     logits = head_logits(hidden, weight, scales)
-    ce = F.cross_entropy(logits, labels, reduction="none")
     if selector is None:
-        return (ce * row_weight).sum(), logits.argmax(-1)
-    sel, sel_pred, held = selector_ce(selector, hidden, logits, labels, prev)
-    return (ce * row_weight).sum(), logits.argmax(-1), (sel * sel_weight).sum(), sel_pred, held
+        return (F.cross_entropy(logits, labels, reduction="none") * row_weight).sum(), logits.argmax(-1)
+    logits, sel = selector_ce(selector, hidden, logits, labels, prev, gold, options)  # first: coupled's logits
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * row_weight).sum(), logits.argmax(-1), (sel.ce * sel_weight).sum(), sel.choice, sel.oracle, sel.counted
 
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 row_weight: torch.Tensor, chunk_logits: int = 0, selector=None, prev: torch.Tensor | None = None,
-                sel_weight: torch.Tensor | None = None, scales=None) -> tuple:
+                sel_weight: torch.Tensor | None = None, scales=None, gold: torch.Tensor | None = None,
+                options: SelectorOptions = SelectorOptions()) -> tuple:
     """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions (logits: `head_logits`).
 
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
     logits are made chunk by chunk of rows and recomputed in backward (activation
     checkpointing), so peak memory holds one chunk's logits instead of N x vocab; below it
-    they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight
-    [N]) also the selector's weighted CE sum, its choices [N] and the gold tokens its candidates hold [N]
-    (`selector_ce`) from the same logits.
+    they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight,
+    gold [N], options: `selector_ce`) also the selector's weighted CE sum, its choices [N], the oracle [N] and the
+    rows it counts [N] from the same logits.
     """
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
-    extra = () if selector is None else (selector,)
+    sel = {} if selector is None else {"selector": selector, "options": options}
     if hidden.shape[0] <= chunk_rows:
-        return _chunk_ce(hidden, lm_head_weight, labels, row_weight, *extra, prev, sel_weight, scales=scales)
+        return _chunk_ce(hidden, lm_head_weight, labels, row_weight, prev=prev, sel_weight=sel_weight, gold=gold,
+                         **sel, scales=scales)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
     # split, not per-chunk slices: a slice's backward writes a zero gradient the size of all of `hidden`
-    for h, y, w, a, sw in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows),
-                              split(prev), split(sel_weight)):
-        parts.append(checkpoint(_chunk_ce, h, lm_head_weight, y, w, *extra, a, sw, scales=scales,
-                                use_reentrant=False))
+    for h, y, w, a, sw, g in zip(hidden.split(chunk_rows), labels.split(chunk_rows), row_weight.split(chunk_rows),
+                                 split(prev), split(sel_weight), split(gold)):
+        parts.append(checkpoint(_chunk_ce, h, lm_head_weight, y, w, prev=a, sel_weight=sw, gold=g, **sel,
+                                scales=scales, use_reentrant=False))
     return tuple(torch.stack(p).sum() if p[0].dim() == 0 else torch.cat(p) for p in zip(*parts))
 
 
 @dataclass
 class LossTerms:
     """What `block_terms` returns: the per-slot loss's weighted sum, its weight sum (no gradient) and the argmax
-    predictions [..., B] (-1 where there is no label); for DFlash 2 also the selector's CE weighted by the decay
-    slot weights, that weight sum, the selector's choices among the unary top-K [..., B] (previous gold token as
-    predecessor) and the oracle's [..., B] (the label where the unary top-K holds it, else -1)."""
+    predictions [..., B] (-1 where there is no label); for DFlash 2 also the selector's CE weighted by its slot
+    weights, the sum of the weights of the rows it counts (no gradient), the selector's choices among the unary
+    top-K [..., B] (previous gold token as predecessor) and the oracle's [..., B] (the label where the unary top-K
+    holds it, else -1)."""
 
     loss_sum: torch.Tensor
     weight_sum: torch.Tensor
@@ -160,7 +133,9 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
                 label_mask: torch.Tensor, gamma: float, chunk_logits: int = 0, rows: torch.Tensor | None = None, *,
                 weighting: str = "decay", alpha: float = 0.5, target_logits: torch.Tensor | None = None,
                 target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                selector=None, objective: str | None = None, temperature: float = 1.0, scales=None) -> LossTerms:
+                selector=None, objective: str | None = None, temperature: float = 1.0, scales=None,
+                selector_options: SelectorOptions = SelectorOptions(),
+                selector_labels: torch.Tensor | None = None) -> LossTerms:
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -184,7 +159,10 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     be decay, and weight_sum is the count of blocks with a label); None = kl with a target distribution, else ce.
     temperature: T > 0 of the acceptance objectives' distributions softmax(logits / T) (1 for ce and kl).
     selector: a DFlash 2 CandidateSelector: its CE (`selector_ce`, predecessor = the previous slot's label, the
-    anchor token at slot 1) from the same logits, weighted by the decay weights exp(-(k-1)/gamma).
+    anchor token at slot 1) from the same logits, weighted by the decay weights exp(-(k-1)/gamma) or with
+    selector_options.weights=follow by the per-slot loss's (`weighting`); selector_options: the rest of how it is
+    trained (dflash.drafter.selector_loss); selector_labels: [N] the tokens its CE trains towards at the labelled
+    rows (None = the labels).
     scales: the drafter's Scales (its target's output multiplier and softcap on every logit; `head_logits`).
     """
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
@@ -194,15 +172,14 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     flat_y = labels.reshape(-1)[rows]
     sel = {}
     if selector is not None:  # slot k's predecessor is slot k-1's label (slot 0's is the anchor token)
-        sel = {"selector": selector, "prev": torch.roll(labels, 1, -1).reshape(-1)[rows]}
+        sel = {"selector": selector, "prev": torch.roll(labels, 1, -1).reshape(-1)[rows], "gold": selector_labels,
+               "options": selector_options}
     if weighting == "decay" and objective == "ce":  # the paper's loss, unchanged
         out = weighted_ce(flat_h, lm_head_weight, flat_y, decay[rows], chunk_logits,
                           **({**sel, "sel_weight": decay[rows]} if sel else {}), scales=scales)
         terms = LossTerms(out[0], decay.sum(), _scatter_predictions(labels, rows, out[1]))
         if sel:
-            terms.selector_sum, terms.selector_weight_sum = out[2], terms.weight_sum
-            terms.selector_predictions = _scatter_predictions(labels, rows, out[3])
-            terms.oracle_predictions = _scatter_predictions(labels, rows, out[4])
+            _selector_terms(terms, labels, rows, decay, out[2], *out[3:], selector_options)
         return terms
     if weighting not in ("decay", "dpace"):
         raise ValueError(f"weighting={weighting!r}: decay or dpace")
@@ -211,6 +188,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     out = row_losses(flat_h, lm_head_weight, flat_y, chunk_logits, target_logits, target_topk, **sel,
                      objective=objective, temperature=temperature, scales=scales)
     row_loss, ce, pred = out[:3]
+    w = decay  # expected_tau's selector (weighting decay)
     if objective == "expected_tau":  # row_loss holds each row's alpha; unlabelled slots' stay 0
         rates = torch.zeros(labels.numel(), dtype=row_loss.dtype, device=hidden.device).index_put((rows,), row_loss)
         terms = LossTerms(expected_rejections(rates.view(labels.shape), label_mask).sum(),
@@ -220,14 +198,23 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
             q = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
             q[rows] = torch.exp(-ce.detach().float())
             w = dpace_weights(q.view(labels.shape), label_mask, alpha).reshape(-1)
-        else:
-            w = decay
         terms = LossTerms((row_loss * w[rows]).sum(), w.sum(), _scatter_predictions(labels, rows, pred))
     if sel:
-        terms.selector_sum, terms.selector_weight_sum = (out[3] * decay[rows]).sum(), decay.sum()
-        terms.selector_predictions = _scatter_predictions(labels, rows, out[4])
-        terms.oracle_predictions = _scatter_predictions(labels, rows, out[5])
+        sel_w = w if selector_options.weights == "follow" else decay
+        _selector_terms(terms, labels, rows, sel_w, (out[3] * sel_w[rows]).sum(), *out[4:], selector_options)
     return terms
+
+
+def _selector_terms(terms: LossTerms, labels, rows, weights, selector_sum, choice, oracle, counted,
+                    options: SelectorOptions) -> None:
+    """Fill the selector's fields of `terms`: its weighted sum, the weight of the rows it counts (all with
+    gold=inject, a host-known sum for decay weights; with strict those whose gold is among the candidates), its
+    choices and the oracle's, scattered to [..., B]. weights: [labels.numel()] the selector's slot weights."""
+    terms.selector_sum = selector_sum
+    terms.selector_weight_sum = (weights.sum() if options.gold == "inject" else
+                                 (weights[rows] * counted).sum()).detach()
+    terms.selector_predictions = _scatter_predictions(labels, rows, choice)
+    terms.oracle_predictions = _scatter_predictions(labels, rows, oracle)
 
 
 def expected_rejections(alpha: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
@@ -308,9 +295,12 @@ def log_acceptance_topk(logits: torch.Tensor, top_logprobs: torch.Tensor, top_id
 
 
 def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_ids=None, top_rest=None,
-                selector=None, prev=None, objective="ce", temperature=1.0, *, scales=None):
+                selector=None, prev=None, objective="ce", temperature=1.0, *, scales=None, gold=None,
+                options=SelectorOptions()):
     logits = head_logits(hidden, weight, scales)
-    sel = () if selector is None else selector_ce(selector, hidden, logits, labels, prev)
+    sel = ()
+    if selector is not None:  # first: under coupled the per-slot loss reads the logits it returns
+        logits, sel = selector_ce(selector, hidden, logits, labels, prev, gold, options)
     logq = F.log_softmax(logits, dim=-1)
     ce = -logq.gather(-1, labels[:, None]).squeeze(-1)
     if objective in ACCEPTANCE:
@@ -341,26 +331,27 @@ def _chunk_rows(hidden, weight, labels, target_logits, top_logprobs=None, top_id
 def row_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_logits: int = 0,
                target_logits: torch.Tensor | None = None, target_topk: tuple | None = None, selector=None,
                prev: torch.Tensor | None = None, *, objective: str | None = None, temperature: float = 1.0,
-               scales=None):
+               scales=None, gold: torch.Tensor | None = None, options: SelectorOptions = SelectorOptions()):
     """Per-row losses of hidden [N, H]: (row_loss [N], ce [N], predictions [N]); row_loss is ce, or with
     target_logits [N, V] KL(softmax(target) || softmax(drafter)), or with target_topk (block_loss) the
     top-k KL; objective (block_terms') tv: 1 - alpha, nla: -log alpha, expected_tau: alpha itself (the
     block loss is made of the rates, `expected_rejections`), alpha at `temperature` (`log_acceptance`,
-    `log_acceptance_topk`); with a selector (prev [N]) also its CE, choices [N] and oracle [N] (`selector_ce`).
+    `log_acceptance_topk`); with a selector (prev, gold [N], options: `selector_ce`) also its CE, choices [N],
+    oracle [N] and the rows it counts [N].
     Chunked over rows as `weighted_ce`."""
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     chunk_rows = max(1, chunk_logits // lm_head_weight.shape[0]) if chunk_logits > 0 else hidden.shape[0]
     top = tuple(target_topk) if target_topk is not None else (None, None, None)
     if hidden.shape[0] <= chunk_rows:
         return _chunk_rows(hidden, lm_head_weight, labels, target_logits, *top, selector, prev, objective,
-                           temperature, scales=scales)
+                           temperature, scales=scales, gold=gold, options=options)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
-    for h, y, t, a, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
-                               split(prev), *(split(t) for t in top)):
+    for h, y, t, a, g, *tk in zip(hidden.split(chunk_rows), labels.split(chunk_rows), split(target_logits),
+                                  split(prev), split(gold), *(split(t) for t in top)):
         parts.append(checkpoint(_chunk_rows, h, lm_head_weight, y, t, *tk, selector, a, objective, temperature,
-                                scales=scales, use_reentrant=False))
+                                scales=scales, gold=g, options=options, use_reentrant=False))
     return tuple(torch.cat(p) for p in zip(*parts))
 
 

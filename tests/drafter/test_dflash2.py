@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.ddtree import build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
-from dflash.drafter.loss import block_terms, selector_ce, slot_weights
+from dflash.drafter.loss import block_terms, slot_weights
 from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.selector_loss import selector_ce
 from tests.drafter.test_blocks import assert_packed_equals_one_block
 from tests.drafter.test_model import TARGET, inputs
 from tests.zlab import reference
@@ -99,7 +100,8 @@ def test_selector_loss_puts_the_gold_token_among_the_candidates_and_chooses_as_s
     with torch.no_grad():  # the missing gold token's pairwise score far above every candidate's
         mixed = sel.predecessor_codebook[7] * sel.hidden_projection(hidden[2])
         sel.successor_codebook[labels[2]] = 100 * mixed / mixed.norm()
-    ce, choice, oracle = selector_ce(sel, hidden, logits, labels, prev)
+    _, (ce, choice, oracle, counted) = selector_ce(sel, hidden, logits, labels, prev)
+    assert counted.all()  # gold=inject: every row counts
     for i in range(3):
         strict = order[i, :4].clone()
         cand = strict.clone()
@@ -133,7 +135,7 @@ def test_joint_loss_terms_weigh_the_selector_by_the_decay_weights():
     rows = mask.reshape(-1).nonzero().flatten()
     prev = torch.roll(labels, 1, -1).reshape(-1)[rows]  # slot k after slot k-1's label, slot 1 after the anchor
     flat_h = hidden.reshape(-1, 8)[rows]
-    ce, choice, oracle = selector_ce(sel, flat_h, flat_h @ W.T, labels.reshape(-1)[rows], prev)
+    _, (ce, choice, oracle, _) = selector_ce(sel, flat_h, flat_h @ W.T, labels.reshape(-1)[rows], prev)
     w = (slot_weights(4, 2.0) * mask).reshape(-1)[rows]
     assert terms.selector_sum.item() == pytest.approx((ce * w).sum().item(), rel=1e-5)
     assert terms.selector_weight_sum.item() == terms.weight_sum.item() == pytest.approx(w.sum().item())

@@ -1,0 +1,132 @@
+"""DFlash 2's candidate selector in training (DESIGN §2b): its K-way cross-entropy over the unary top-K
+(`selector_ce`) and the choices of how it is trained (`SelectorOptions`, the loss.selector_* keys).
+
+The loss is computed inside dflash.drafter.loss's row chunks, from the chunk's logits of the target head (the
+unary scores), so the LM head runs once per row. Per row (hidden h [H], gold token y, predecessor a = the previous
+gold token, the anchor at slot 1; teacher forcing): the candidates are the unary top-K, the scores
+unary(c) + P[a] (W h) S[c], and the row loss is the CE of the gold token's place among them.
+
+- gradient: `coupled` (the public trainers' default) lets the selector's gradient reach the unary scores too, so
+  the drafter's logits learn to rank what the selector needs. That gradient is K-sparse: `_SparseUnary` adds it
+  into the per-slot loss's own dense logits gradient with one scatter-add, where autograd's gather would make a
+  second dense [rows, V] gradient and add the two (1.8x the DFlash step on the CPU benchmark). `detach_unary`
+  takes the unary scores as constants (the per-slot loss trains them; the selector trains the codebooks, the
+  projection and, through it, the hidden states). `stop` detaches the hidden states too: the selector's loss then
+  trains its own parameters only.
+- gold: `inject` puts a gold token missing from the top-K in the K-th's place, in the loss only (speculators);
+  `strict` gives such a row no loss, and its weight leaves the normaliser (SpecForge).
+- dropout on the predecessor's codebook row, a regulariser of training only (decoding's scores have none).
+- weights: the selector's slot weights, `decay` (exp(-(k-1)/gamma), always) or `follow` (the per-slot loss's:
+  decay or D-PACE, `loss.weighting`). The loss is their weighted mean (dflash.train.step normalises it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from dflash.config.model import SELECTOR_CHOICES
+
+
+@dataclass(frozen=True)
+class SelectorOptions:
+    """How the selector's loss is formed (loss.selector_gradient, selector_gold, selector_dropout,
+    selector_weights; this module's docstring says what each does)."""
+
+    gradient: str = "detach_unary"
+    gold: str = "inject"
+    dropout: float = 0.0
+    weights: str = "decay"
+
+    def __post_init__(self) -> None:
+        for name in ("gradient", "gold", "weights"):
+            value, allowed = getattr(self, name), SELECTOR_CHOICES[name]
+            if value not in allowed:
+                raise ValueError(f"selector {name}={value!r}: one of {', '.join(allowed)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"selector dropout={self.dropout}: in [0, 1)")
+
+
+class SelectorTerms(NamedTuple):
+    """What `selector_ce` gives per row: the CE [N] (0 where it does not count), the choice as served [N] (the
+    best of the unary top-K), the oracle [N] (the data's label where the unary top-K holds it, else -1) and
+    `counted` [N] bool (the rows whose loss and weight count: all, or with gold=strict those whose gold token is
+    among the top-K)."""
+
+    ce: torch.Tensor
+    choice: torch.Tensor
+    oracle: torch.Tensor
+    counted: torch.Tensor
+
+
+class _SparseUnary(torch.autograd.Function):
+    """(logits [N, V], index [N, J]) -> (logits, logits.gather(-1, index) [N, J]), the first the same tensor for
+    the per-slot loss to read. Backward adds the gathered scores' gradient into the logits' own gradient with a
+    scatter-add, in place: the selector's K-sparse gradient never becomes a dense [N, V] tensor of its own.
+
+    The incoming dense gradient is the per-slot loss's (log_softmax's backward makes a fresh one, read by nothing
+    else), so writing into it is safe; a non-contiguous one (an expanded zero) is copied first."""
+
+    @staticmethod
+    def forward(ctx, logits, index):
+        ctx.save_for_backward(index)
+        return logits.view_as(logits), logits.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad, grad_gathered):
+        (index,) = ctx.saved_tensors
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        return grad.scatter_add_(-1, index, grad_gathered.to(grad.dtype)), None
+
+
+def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
+                gold: torch.Tensor | None = None,
+                options: SelectorOptions = SelectorOptions()) -> tuple[torch.Tensor, SelectorTerms]:
+    """The selector's loss on a chunk of rows: (logits, SelectorTerms).
+
+    hidden [N, H], logits [N, V] (the unary scores), labels [N] (the data's tokens: the oracle's reference),
+    prev [N] (the previous data token: the anchor at slot 1), gold [N] the tokens the CE trains towards (None =
+    labels; loss.selector_labels=target gives the target's argmax). The loss's candidates are the unary top-K,
+    with a missing gold token in place of the K-th (inject; with strict that row's CE is 0 and not counted); the
+    scores are unary + pairwise. The choice is the best of the unary top-K alone, as decoding chooses: a gold
+    token outside them is never chosen. One score per candidate, the top-K's and the gold's ([N, K + 1]), serves
+    both sets.
+    The returned logits are the input's values: the caller computes its per-slot loss from them, because under
+    gradient=coupled they carry the selector's sparse gradient (`_SparseUnary`); otherwise they are the input.
+    """
+    gold = labels if gold is None else gold
+    cand = selector.candidates(logits.detach())[1]
+    K = cand.shape[-1]
+    hit = cand == gold[:, None]
+    held = hit.any(-1)
+    both = torch.cat([cand, gold[:, None]], 1)  # the unary top-K, then the gold token
+    if options.gradient == "coupled":
+        logits, unary = _SparseUnary.apply(logits, both)
+    else:
+        unary = logits.detach().gather(-1, both)
+    h = hidden.detach() if options.gradient == "stop" else hidden
+    scores = selector.scores(h, unary, both, prev, dropout=options.dropout)
+    # the loss's K: the top-K when it holds the gold (its extra column dropped), else the gold in the K-th's place
+    dropped = torch.where(held, K, K - 1)
+    place = torch.where(held, hit.int().argmax(-1), K)
+    ce = F.cross_entropy(scores.scatter(-1, dropped[:, None], float("-inf")), place, reduction="none")
+    counted = held if options.gold == "strict" else torch.ones_like(held)
+    if options.gold == "strict":
+        ce = torch.where(counted, ce, torch.zeros_like(ce))
+    choice = cand.gather(-1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
+    oracle = torch.where((cand == labels[:, None]).any(-1), labels, torch.full_like(labels, -1))
+    return logits, SelectorTerms(ce, choice, oracle, counted)
+
+
+def schedule_weight(step: int, total_steps: int, weight: float, warmup_ratio: float = 0.0,
+                    ramp_ratio: float = 0.0) -> float:
+    """The selector loss's weight at optimizer step `step` (0-based) of `total_steps`: 0 before warmup_ratio x
+    total_steps, then linear from 0 to `weight` over the next ramp_ratio x total_steps, `weight` after (SpecForge's
+    dflash2_selector_warmup_ratio and _ramp_ratio). Both ratios 0: `weight` throughout."""
+    start, ramp = warmup_ratio * total_steps, ramp_ratio * total_steps
+    if step < start:
+        return 0.0
+    return weight if ramp <= 0 else weight * min(1.0, (step - start) / ramp)
