@@ -192,8 +192,31 @@ class LossConfig:
     temperature: float = 1.0
     """Temperature T of tv, nla and expected_tau: alpha compares softmax(logits / T) of target and drafter."""
     selector_weight: float = 1.0
-    """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, gold added when missing,
-    the previous gold token as predecessor, decay slot weights) added to the per-slot loss above."""
+    """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, the previous gold token as
+    predecessor) added to the per-slot loss above; the selector_* keys below say how it is formed."""
+    selector_gradient: str = "detach_unary"
+    """dflash2: coupled (the selector's gradient reaches the unary logits too), detach_unary (it does not) or
+    stop (nor the hidden states: it trains the codebooks and projection only)."""
+    selector_gold: str = "inject"
+    """dflash2: inject (a gold token outside the unary top-K takes the K-th place in the loss) or strict (such a
+    row gives no selector loss and leaves its normaliser)."""
+    selector_warmup_ratio: float = 0.0
+    """dflash2: the selector's weight is 0 for this fraction of the steps, then ramps (selector_ramp_ratio)."""
+    selector_ramp_ratio: float = 0.0
+    """dflash2: fraction of the steps over which the selector's weight rises linearly from 0 to selector_weight."""
+    selector_init: str = "normal"
+    """dflash2: the successor codebook's init, normal (std 0.02) or zero (step 0 drafts the unary argmax path;
+    it still trains: S's gradient is P[prev] (W h), nonzero)."""
+    selector_weights: str = "decay"
+    """dflash2: the selector's slot weights, decay (exp(-(k-1)/gamma)) or follow (the per-slot loss's: decay or
+    D-PACE)."""
+    selector_labels: str = "data"
+    """dflash2: the selector's gold tokens, data (the labels) or target (the target's argmax there: online, or
+    offline from a cache extracted with features.topk_logits)."""
+    selector_decay: float | None = None
+    """dflash2: AdamW weight decay of the two codebooks; null = optim.weight_decay, as any matrix."""
+    selector_dropout: float = 0.0
+    """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
     chunk_logits: int = 134217728
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
     recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
@@ -208,6 +231,18 @@ class LossConfig:
         positive("loss.gamma", self.gamma)
         positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
         positive("loss.selector_weight", self.selector_weight, allow_zero=True)
+        for key, allowed in SELECTOR_CHOICES.items():
+            one_of(f"loss.selector_{key}", getattr(self, f"selector_{key}"), set(allowed))
+        positive("loss.selector_decay", self.selector_decay, allow_zero=True)
+        for key in ("selector_warmup_ratio", "selector_ramp_ratio"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"loss.{key}={getattr(self, key)} must be in [0, 1] (a fraction of the steps)")
+        if not 0 <= self.selector_dropout < 1:
+            raise ConfigError(f"loss.selector_dropout={self.selector_dropout} must be in [0, 1)")
+        if self.selector_warmup_ratio + self.selector_ramp_ratio > 1:
+            raise ConfigError(f"loss.selector_warmup_ratio + loss.selector_ramp_ratio = "
+                              f"{self.selector_warmup_ratio + self.selector_ramp_ratio} must be <= 1 (the ramp ends "
+                              f"by the last step)")
         if not self.temperature > 0:
             raise ConfigError(f"loss.temperature={self.temperature} must be > 0 (1 = the distributions as they are)")
         if self.temperature != 1 and self.objective not in ACCEPTANCE_OBJECTIVES:

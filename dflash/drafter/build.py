@@ -23,8 +23,12 @@ from dflash.target.loading import Target
 log = logging.getLogger(__name__)
 
 
-def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> DFlashDraftModel:
-    """A fresh drafter sized after the target (or loaded from cfg.init_from), in float32."""
+def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
+                  successor_init: str = "normal") -> DFlashDraftModel:
+    """A fresh drafter sized after the target (or loaded from cfg.init_from), in float32. successor_init: a fresh
+    DFlash 2 selector's successor codebook, normal (the model's init) or zero (loss.selector_init: the pairwise
+    term is 0, so it drafts its unary argmax path, DFlash's, until trained; the codebook's gradient P[prev] (W h)
+    is not 0, so it trains, and P and W follow once S moves)."""
     layer_ids = resolve_layer_ids(layers, target.num_layers)
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from)
@@ -47,6 +51,8 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target) -> D
         sliding_causal=cfg.resolved_sliding_causal(), scales=_scales(target))
     drafter = drafter_class(config)(config).float()
     check_fits(drafter, target, source="the drafter config")
+    if successor_init == "zero" and drafter.candidate_selector is not None:
+        torch.nn.init.zeros_(drafter.candidate_selector.successor_codebook)
     return drafter
 
 

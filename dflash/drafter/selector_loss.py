@@ -18,6 +18,9 @@ unary(c) + P[a] (W h) S[c], and the row loss is the CE of the gold token's place
 - dropout on the predecessor's codebook row, a regulariser of training only (decoding's scores have none).
 - weights: the selector's slot weights, `decay` (exp(-(k-1)/gamma), always) or `follow` (the per-slot loss's:
   decay or D-PACE, `loss.weighting`). The loss is their weighted mean (dflash.train.step normalises it).
+The other selector keys act elsewhere: its weight's schedule (`schedule_weight`, read by dflash.train.step), its
+gold tokens from the target (dflash.train.step.target_argmax), the successor codebook's init (build_drafter) and
+the codebooks' weight decay (dflash.train.optim.build_optimizer).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class TrainState:
     """What the loop carries between steps (step and best_tau are restored from a checkpoint)."""
 
     step: int = 0
+    total_steps: int = 0
+    """The run's optimizer steps (the selector weight's schedule reads them; 0 = no schedule)."""
     best_tau: float | None = None
     window: dict = field(default_factory=dict)
     """Sums since the last log line: loss, slot counts, tokens, anchors, weight, grad norm (device tensors
@@ -98,19 +100,21 @@ def train(job: JobConfig) -> Path:
                          expected_name=f"checkpoint {resume_from.name}", actual_name="the training features")
     torch.manual_seed(job.train.seed)  # here, so the init does not depend on what data preparation drew
     random.seed(job.train.seed)
-    drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(job.drafter, job.layers, target)
+    drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(
+        job.drafter, job.layers, target, successor_init=job.loss.selector_init)
     if resumed and resumed["weights"] is not None:  # the float32 weights, not the (bf16) servable copy
         drafter.load_state_dict(resumed["weights"])
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
     schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed)
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
-    state = TrainState()
+    state = TrainState(total_steps=total)
     m = prepare_model(job, acc, drafter, total, resumed, state)
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
-                        drafter.block_size, drafter.mask_token_id, gamma, topk=job.loss.soft_labels)
+                        drafter.block_size, drafter.mask_token_id, gamma,
+                        topk=job.loss.soft_labels or job.loss.selector_labels == "target")
     # pinned (Batch.pin_memory) on CUDA, so train_step's non_blocking copies do not wait for the device
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
                                                pin_memory=acc.device.type == "cuda"))
@@ -198,7 +202,7 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     """Optimizer and schedule, checkpointing, compile, accelerate wrappers; when resuming, the optimizer,
     schedule and every process's RNG come back through accelerate's load_state (after prepare: under FSDP
     the optimizer state is loaded into the shards)."""
-    optimizer = build_optimizer(drafter, job.optim)
+    optimizer = build_optimizer(drafter, job.optim, codebook_decay=job.loss.selector_decay)
     scheduler = build_scheduler(optimizer, total, job.optim)
     format1 = bool(resumed) and ckpt.train_state_format(resumed["state"]) == 1
     if format1:  # the main process's state, as written before save_state: the same on every DDP process

@@ -39,18 +39,26 @@ def check_optimizer(cfg: OptimConfig, fsdp: bool) -> None:
                           "optim=adamw")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (norms, biases and convolution taps get no weight decay, `decays`), or with optim.name=muon torch.optim.Muon on the hidden
-    matrices (`is_muon_param`) and AdamW on the rest, as one optimizer (`MuonAdamW`)."""
-    decay, no_decay, muon = [], [], []
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
+                    codebook_decay: float | None = None) -> torch.optim.Optimizer:
+    """AdamW (norms, biases and convolution taps get no weight decay, `decays`), or with optim.name=muon
+    torch.optim.Muon on the hidden matrices (`is_muon_param`) and AdamW on the rest, as one optimizer
+    (`MuonAdamW`). codebook_decay: DFlash 2's selector codebooks in a third AdamW group with this weight decay
+    (loss.selector_decay); None = in the decayed group, as any matrix (and no third group: older optimizer
+    states still load)."""
+    decay, no_decay, codebooks, muon = [], [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if cfg.name == "muon" and is_muon_param(name, p):
             muon.append(p)
+        elif codebook_decay is not None and "codebook" in name:
+            codebooks.append(p)
         else:
             (decay if decays(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if codebooks:
+        groups.append({"params": codebooks, "weight_decay": codebook_decay})
     adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name != "muon":
         return adamw

@@ -29,6 +29,7 @@ from dflash.data.cache import dequantize
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed
 from dflash.drafter.loss import block_terms, label_logits
+from dflash.drafter.selector_loss import SelectorOptions, schedule_weight
 from dflash.errors import ConfigError, TrainingError
 from dflash.target.features import target_forward
 from dflash.train.batches import Batch, add_noise, map_tensors
@@ -86,6 +87,18 @@ def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.
     return {"target_topk": (at(batch.topk.logprobs), at(batch.topk.ids), at(batch.topk.rest[..., None])[:, 0])}
 
 
+def target_argmax(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev) -> torch.Tensor:
+    """[N] the target's argmax at the labelled rows, the selector's gold tokens with loss.selector_labels=target:
+    from its logits (online), or the first of the cache's stored top-k ids (offline; sorted, the argmax first)."""
+    if logits is not None:
+        return label_logits(logits.argmax(-1), blocks.anchors, rows, blocks.block_size)
+    if batch.topk is None:
+        raise ConfigError("loss.selector_labels=target needs the target's argmax, and this micro-batch has none: "
+                          "train with train.mode=online, or extract into a new features.dir with "
+                          "features.topk_logits=1 (or more)")
+    return label_logits(to_device(batch.topk.ids[..., 0], dev), blocks.anchors, rows, blocks.block_size)
+
+
 def valid_anchors(batch: Batch) -> int:
     """Blocks of the micro-batch with at least one labelled slot (host numbers: blocks are still CPU tensors)."""
     return int(batch.blocks.label_mask.any(-1).sum())
@@ -125,11 +138,21 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     by_anchor = cfg.normalizer == "anchor" or dpace_by_weights
     total_w = global_weight(acc, micro, valid_anchors if by_anchor else (lambda b: b.weight_sum))
     selector = m.drafter.candidate_selector if cfg.selector_weight > 0 else None
-    if selector is not None:  # DFlash 2: the selector's CE over the step's decay weights (one more collective
-        # only when the per-slot loss has another normaliser)
-        decay_w = total_w if not by_anchor and cfg.weighting == "decay" else global_weight(acc, micro)
-        selector_scale = cfg.selector_weight * acc.num_processes / decay_w.clamp_min(1e-12)
+    sel = {}
+    if selector is not None:  # DFlash 2: the selector's CE, the mean over its slot weights, at the scheduled weight
+        sel = {"selector": selector, "selector_options": SelectorOptions(
+            cfg.selector_gradient, cfg.selector_gold, cfg.selector_dropout, cfg.selector_weights)}
+        weight_now = schedule_weight(state.step, state.total_steps, cfg.selector_weight, cfg.selector_warmup_ratio,
+                                     cfg.selector_ramp_ratio)
+        # decay weights, every row counted: the normaliser is the step's, known on the host before the forwards
+        # (exact under accumulation and DDP; one more collective only when the per-slot loss has another one);
+        # D-PACE weights or gold=strict: known after each forward only, so each micro-batch's own mean, averaged
+        whole_step = cfg.selector_gold == "inject" and (cfg.selector_weights == "decay" or cfg.weighting == "decay")
+        if whole_step:
+            decay_w = total_w if not by_anchor and cfg.weighting == "decay" else global_weight(acc, micro)
+            selector_scale = weight_now * acc.num_processes / decay_w.clamp_min(1e-12)
     soft, dyn_weights = cfg.soft_labels, []
+    target_labels = selector is not None and cfg.selector_labels == "target"
     options = {} if cfg.objective == "decay_ce" else {"weighting": cfg.weighting, "alpha": cfg.alpha}
     if soft:  # expected_tau's weight_sum is its blocks with a label: loss.normalize=anchor's normaliser
         options.update(objective=cfg.objective, temperature=cfg.temperature)
@@ -139,7 +162,7 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     for i, batch in enumerate(micro):
         blocks = map_tensors(batch.blocks, lambda t: to_device(t, dev))
         logits = None
-        if soft and batch.features is None:  # online: the target's full logits, from the same forward
+        if (soft or target_labels) and batch.features is None:  # online: the target's logits, from the same forward
             clean, logits = features_and_logits(acc, target, m.drafter, batch)
         else:
             clean = batch_features(acc, target, m.drafter, batch)
@@ -152,10 +175,14 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                 rows = to_device(batch.label_rows, dev)
                 if soft:
                     options.update(soft_targets(batch, logits, blocks, rows, dev, cfg.objective))
+                if target_labels:
+                    sel["selector_labels"] = target_argmax(batch, logits, blocks, rows, dev)
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
-                                    job.loss.chunk_logits, rows=rows, selector=selector, scales=m.drafter.scales,
-                                    **options)
+                                    job.loss.chunk_logits, rows=rows, scales=m.drafter.scales, **sel, **options)
                 loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0
+                if selector is not None and not whole_step:
+                    selector_mean = terms.selector_weight_sum.clamp_min(1e-12)
+                    selector_scale = weight_now / (len(micro) * selector_mean)
             acc.backward(loss_sum * scale + (selector_sum * selector_scale if selector is not None else 0.0))
         if dpace_by_weights:
             dyn_weights.append(terms.weight_sum.detach())
@@ -163,7 +190,12 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
         window["loss_sum"] = window.get("loss_sum", 0.0) + loss_sum.detach().double()
         counts = metrics.count(terms.predictions, blocks.labels, blocks.label_mask)
         if selector is not None:  # the selector's choices are what a DFlash 2 drafter drafts: train/tau is theirs
-            window["selector_sum"] = window.get("selector_sum", 0.0) + terms.selector_sum.detach().double()
+            part = terms.selector_sum.detach().double()
+            if not whole_step:  # the micro-batch's mean, one count of `selector_weight` on each process
+                part = part / selector_mean
+                window["selector_weight"] = window.get("selector_weight", 0.0) + torch.full(
+                    (), float(acc.num_processes), dtype=torch.float64, device=dev)
+            window["selector_sum"] = window.get("selector_sum", 0.0) + part
             unary = {f"unary_{k}": v for k, v in counts.items()}
             oracle = {f"oracle_{k}": v for k, v in metrics.count(terms.oracle_predictions, blocks.labels,
                                                                  blocks.label_mask).items()}
@@ -174,7 +206,7 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     if dpace_by_weights:
         total_w = rescale_gradients(acc, m.model, total_w, dyn_weights)
     window["weight"] = window.get("weight", 0.0) + total_w  # global: all processes and micro-batches
-    if selector is not None:
+    if selector is not None and whole_step:
         window["selector_weight"] = window.get("selector_weight", 0.0) + decay_w
     grad_norm = acc.clip_grad_norm_(m.model.parameters(), job.optim.grad_clip or float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor

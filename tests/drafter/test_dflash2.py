@@ -237,3 +237,64 @@ def test_convolution_gradients_are_exact():
     base = torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True)
     dyn = torch.randn(2, 8, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b, c: grouped_dynamic_conv(a, b, c, 4, 4), (z, base, dyn))
+
+
+def zero_init_drafter(target, successor_init="zero"):
+    """A DFlash 2 drafter for `target` built as training builds it, its backbone, convolutions and predecessor
+    codebook moved off their init (so it is not DFlash, and only the successor codebook is at its init)."""
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(kind="dflash2", num_layers=1, block_size=B, selector_rank=8, selector_top_k=4)
+    drafter = build_drafter(cfg, LayersConfig(ids=[1, 3]), target, successor_init=successor_init)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "successor" not in name:
+                p.add_(0.3 * torch.randn_like(p))
+            elif successor_init == "normal":
+                p.mul_(200)  # pairwise scores that reorder the candidates: the control
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("init", ["zero", "normal"])
+def test_a_zero_initialised_successor_codebook_drafts_the_unary_argmax_chain(tiny_targets, init):
+    """loss.selector_init=zero: the pairwise term is 0, so the selector's path is the argmax path, teacher-forced
+    (every record's draft equals its unary tokens) and live (speculative_generate drafts, accepts and outputs what
+    the same drafter without its selector does); a normal init at a scale that matters does not."""
+    import copy
+
+    from dflash.config import EvalConfig
+    from dflash.evaluate.decode import speculative_generate
+    from dflash.evaluate.teacher_forced import teacher_forced
+    from tests.evaluate.test_teacher_forced import SyntheticSet
+
+    target = tiny_targets["tiny_qwen3"]
+    drafter = zero_init_drafter(target, init)
+    assert (drafter.candidate_selector.successor_codebook == 0).all() == (init == "zero")
+    data = SyntheticSet([60, 45], 2 * target.config.hidden_size, target.config.vocab_size)
+    records = teacher_forced(drafter, target.embed_tokens, target.lm_head, data, EvalConfig(prompts="synthetic",
+                                                                                            ddtree_budgets=[]))
+    same = [r["draft_tokens"] == r["unary_tokens"] for r in records]
+    unary = copy.deepcopy(drafter)
+    unary.candidate_selector = None  # a DFlash drafter of the same weights: it drafts its argmax
+    ids = torch.randint(0, target.config.vocab_size - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    ours, theirs = speculative_generate(drafter, target, ids, 32), speculative_generate(unary, target, ids, 32)
+    if init == "zero":
+        assert all(same) and len(records) > 50
+        assert ours.draft_tokens == theirs.draft_tokens and ours.acceptance_lengths == theirs.acceptance_lengths
+        assert torch.equal(ours.output_ids, theirs.output_ids)
+    else:
+        assert not all(same) and ours.draft_tokens != theirs.draft_tokens
+
+
+def test_a_zero_initialised_successor_codebook_still_trains():
+    """S = 0 makes the pairwise term and the gradients of P and W zero, not S's: d/dS[c] = g_c P[prev] (W h)."""
+    torch.manual_seed(0)
+    sel = CandidateSelector(16, 50, rank=8, top_k=4)
+    torch.nn.init.zeros_(sel.successor_codebook)
+    hidden, logits = torch.randn(6, 16), torch.randn(6, 50)
+    labels, prev = logits.topk(4, dim=-1).indices[:, 2], torch.arange(6)
+    selector_ce(sel, hidden, logits, labels, prev)[1].ce.sum().backward()
+    assert sel.successor_codebook.grad.abs().sum() > 0
+    assert not sel.predecessor_codebook.grad.any() and not sel.hidden_projection.weight.grad.any()

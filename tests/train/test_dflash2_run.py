@@ -96,3 +96,84 @@ def test_the_zlab_reference_decodes_our_dflash2_checkpoint_as_we_do(workdir, tin
         assert out.acceptance_lengths == mine.acceptance_lengths, seed
         accepted += mine.acceptance_lengths
     assert max(accepted) > 1  # some drafts accepted: the selector's path was compared
+
+
+SMALL = ("drafter=dflash2", "drafter.num_layers=1", "drafter.selector_rank=8", "data.limit=4", "eval.every=0")
+
+
+@pytest.mark.parametrize("gold", ["inject", "strict"])
+def test_the_selector_weight_reaches_the_step_scheduled_and_normalised(workdir, monkeypatch, gold):
+    """The gradient each micro-batch's selector sum gets is the scheduled weight (0, 0, 1, 2 over 4 steps: warmup
+    0.25, ramp 0.5, weight 2) over its normaliser: the whole step's decay weights with gold=inject (both
+    micro-batches'), each micro-batch's own counted weights with strict (then averaged over the 2)."""
+    from dflash.train import step as stepping
+
+    seen, real = [], stepping.block_terms
+
+    def spy(*args, **kwargs):
+        terms = real(*args, **kwargs)
+        record = {"weight": terms.selector_weight_sum.item()}
+        terms.selector_sum.register_hook(lambda g: record.update(scale=g.item()))
+        seen.append(record)
+        return terms
+
+    monkeypatch.setattr(stepping, "block_terms", spy)
+    train(job_for(workdir, f"schedule-{gold}", *SMALL, "train.max_steps=4", "train.batch_size=1",
+                  "train.grad_accum=2", "train.save_every=4", "loss.selector_weight=2", f"loss.selector_gold={gold}",
+                  "drafter.selector_top_k=128",  # of 262 tokens: most, not all, gold tokens among the candidates
+                  "loss.selector_warmup_ratio=0.25", "loss.selector_ramp_ratio=0.5", target="tiny_qwen3"))
+    assert len(seen) == 8
+    for step, weight in enumerate([0.0, 0.0, 1.0, 2.0]):
+        a, b = seen[2 * step: 2 * step + 2]
+        expected = [weight / (a["weight"] + b["weight"])] * 2 if gold == "inject" else [
+            weight / (2 * a["weight"]), weight / (2 * b["weight"])]
+        assert [a["scale"], b["scale"]] == pytest.approx(expected, rel=1e-6), step
+        assert a["weight"] > 0 and b["weight"] > 0
+
+
+def test_the_selector_choices_reach_the_loss_and_the_run_records_them(workdir, monkeypatch):
+    """Online, D-PACE: the loss gets the options and the target's argmax as the selector's gold tokens; the run's
+    config.yaml holds the keys; a zero successor codebook stays 0 while the weight is 0 (warmup: no gradient, and
+    decay keeps a zero) and trains after it."""
+    from dflash.drafter.selector_loss import SelectorOptions
+    from dflash.train import step as stepping
+
+    seen, real = [], stepping.block_terms
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["selector_options"], kwargs.get("selector_labels"), kwargs["rows"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepping, "block_terms", spy)
+    keys = ("loss.selector_gradient=coupled", "loss.selector_gold=strict", "loss.selector_weights=follow",
+            "loss.selector_labels=target", "loss.selector_init=zero", "loss.selector_dropout=0.1",
+            "loss.selector_decay=0.5", "loss.selector_warmup_ratio=0.5")
+    run = train(job_for(workdir, "choices", *SMALL, "loss=dpace", "train.mode=online", "train.max_steps=4",
+                        "train.save_every=2", "train.batch_size=2", *keys, target="tiny_qwen3"))
+    assert {options for options, _, _ in seen} == {SelectorOptions("coupled", "strict", 0.1, "follow")}
+    assert all(labels is not None and labels.shape == rows.shape for _, labels, rows in seen)
+    recorded = (run / "config.yaml").read_text()
+    for key in keys:
+        name, value = key.removeprefix("loss.").split("=")
+        assert f"  {name}: {value}\n" in recorded, key
+    successor = [load_file(c / "model.safetensors")["candidate_selector.successor_codebook"]
+                 for _, c in RunLayout(run).list_checkpoints()]
+    assert not successor[0].any() and successor[1].any()
+    assert all(torch.isfinite(torch.tensor(r["train/selector_loss"])) for r in metrics(run) if "train/loss" in r)
+
+
+def test_the_target_argmax_labels_offline_equal_online_and_need_a_topk_cache(workdir):
+    """loss.selector_labels=target reads the target's argmax from its logits online and from the first of the
+    cache's stored top-k offline: the same run (float32 features), not the data labels' run (sampled completions:
+    the target's argmax is not always the token that follows); a cache without them is refused."""
+    common = (*SMALL, "train.max_steps=3", "train.batch_size=2", "features.storage=float32",
+              "data.completions.temperature=1.0", f"features.dir={workdir}/cache-top4/features")
+    target = ("loss.selector_labels=target",)
+    off = train(job_for(workdir, "argmax-off", *common, *target, "features.topk_logits=4", target="tiny_qwen3"))
+    on = train(job_for(workdir, "argmax-on", *common, *target, "train.mode=online", target="tiny_qwen3"))
+    data = train(job_for(workdir, "argmax-data", *common, "train.mode=online", target="tiny_qwen3"))
+    a, b, c = ([r["train/selector_loss"] for r in metrics(run) if "train/loss" in r] for run in (off, on, data))
+    assert len(a) == 3 and a == pytest.approx(b, abs=1e-4) and a[0] != pytest.approx(c[0], abs=1e-2)
+    with pytest.raises(ConfigError, match="loss.selector_labels=target needs the target's argmax.*train.mode=online"):
+        train(job_for(workdir, "argmax-none", *SMALL, "loss.selector_labels=target", "train.max_steps=1",
+                      target="tiny_qwen3"))

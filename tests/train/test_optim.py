@@ -92,6 +92,40 @@ def test_norms_and_biases_get_no_weight_decay():
         assert group["lr"] == LR and group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6
 
 
+class Selectorish(torch.nn.Module):
+    """DFlash 2's selector's parameter names: two codebooks and a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.candidate_selector = torch.nn.Module()
+        self.candidate_selector.predecessor_codebook = torch.nn.Parameter(torch.ones(6, 2))
+        self.candidate_selector.successor_codebook = torch.nn.Parameter(torch.ones(6, 2))
+        self.candidate_selector.hidden_projection = torch.nn.Linear(4, 2, bias=False)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_codebooks_take_their_own_weight_decay(name):
+    """loss.selector_decay: the two codebooks in a third AdamW group with that decay (and a step decays them by
+    lr x decay with no gradient); null keeps them in the decayed group, as any matrix, with two groups only."""
+    model = Selectorish()
+    sel = model.candidate_selector
+    cfg = OptimConfig(name=name, lr=LR, weight_decay=0.1)
+    adamw = lambda opt: opt.adamw if name == "muon" else opt  # noqa: E731
+    groups = adamw(build_optimizer(model, cfg)).param_groups
+    assert len(groups) == 2 and {id(sel.predecessor_codebook), id(sel.successor_codebook)} <= {
+        id(p) for p in groups[0]["params"]}
+    opt = build_optimizer(model, cfg, codebook_decay=0.5)
+    groups = adamw(opt).param_groups
+    assert len(groups) == 3 and groups[2]["weight_decay"] == 0.5
+    assert [id(p) for p in groups[2]["params"]] == [id(sel.predecessor_codebook), id(sel.successor_codebook)]
+    assert id(sel.hidden_projection.weight) not in {id(p) for p in groups[2]["params"]}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.allclose(sel.successor_codebook, torch.full((6, 2), 1 - LR * 0.5))
+
+
 # --- optim=muon ------------------------------------------------------------------------------------------------
 
 class Drafterish(torch.nn.Module):
