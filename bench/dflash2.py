@@ -3,6 +3,8 @@
 - a training step (packed forward, the joint loss with the selector's CE, backward, AdamW step) over the same
   blocks, DFlash 2 / DFlash (goal <= 1.10: each convolution's projection adds H x 2kG multiply-adds a token,
   H^2/4 at k=2, G=H/16, about 4% of a layer for two; the selector K x r per slot and two V x r gathers);
+- the DFlash 2 step with loss.selector_gradient=coupled (the selector's gradient into the unary logits, added
+  sparsely inside the loss's chunks) over the detached one (goal <= 1.10);
 - a drafting forward (one block, inference, the target head included), DFlash 2 / DFlash;
 - the selector's walk in live decoding (its tables from one batched product and the greedy walk on the host)
   over the DFlash drafting forward (goal < 5%).
@@ -13,6 +15,8 @@ same machine load.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from bench.measure import time_call
@@ -20,6 +24,7 @@ from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
 from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.selector_loss import SelectorOptions
 
 SHAPES = {
     # the default (toy) run's drafter: 2 layers, blocks of 16, width 128, vocabulary 2048, the published rank 256:
@@ -66,11 +71,11 @@ def _alternating(fns: dict, rounds: int, per_round: int = 3) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def _train_step(drafter, embed, head, feats, blocks, total_w, optimizer):
+def _train_step(drafter, embed, head, feats, blocks, total_w, optimizer, gradient="detach_unary"):
     def step():
         hidden = draft_packed(drafter, embed, feats, blocks)
         terms = block_terms(hidden, head.weight, blocks.labels, blocks.label_mask, 7.0, 2**27,
-                            selector=drafter.candidate_selector)
+                            selector=drafter.candidate_selector, selector_options=SelectorOptions(gradient))
         loss = terms.loss_sum if terms.selector_sum is None else terms.loss_sum + terms.selector_sum
         (loss / total_w).backward()
         optimizer.step()
@@ -89,8 +94,10 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
     blocks = pack_blocks(ids, mask, torch.tensor([L]), [sample_anchors(mask[0], n, g)], B, shape["vocab"] - 1)
     blocks = blocks.to(device)
     total_w = float((blocks.label_mask * slot_weights(B, 7.0).to(device)).sum())
-    steps = {k: _train_step(d, embed, head, feats, blocks, total_w, torch.optim.AdamW(d.parameters(), lr=1e-4))
-             for k, d in (("dflash", one), ("dflash2", two))}
+    coupled = copy.deepcopy(two)  # its own weights and optimizer: the same start as the detached step's
+    steps = {k: _train_step(d, embed, head, feats, blocks, total_w, torch.optim.AdamW(d.parameters(), lr=1e-4), g)
+             for k, d, g in (("dflash", one, "detach_unary"), ("dflash2", two, "detach_unary"),
+                             ("dflash2_coupled", coupled, "coupled"))}
     train = _alternating(steps, 2 if quick else 3)
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -131,6 +138,7 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
         "shape": shape, "params": params,
         "train_step_s": {k: round(v, 5) for k, v in train.items()},
         "train_step_ratio": round(train["dflash2"] / train["dflash"], 3),
+        "coupled_over_detached": round(train["dflash2_coupled"] / train["dflash2"], 3),
         "train_step_flops": flops, "train_step_flops_ratio": round(flops["dflash2"] / flops["dflash"], 4),
         "draft_forward_s": {k: round(v, 6) for k, v in infer.items()},
         "draft_forward_ratio": round(infer["dflash2"] / infer["dflash"], 3),

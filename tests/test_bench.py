@@ -1,5 +1,6 @@
 """The benchmarks still run against the library (a smoke test: quick sizes, the cheap suites only)."""
 
+import pytest
 import torch
 
 from bench import suites
@@ -16,3 +17,17 @@ def test_gpu_suites_are_registered_and_skip_on_cpu():
     """`python -m bench` runs the GPU suites of bench/gpu.py wherever it runs: on CPU they say why not."""
     for name in ("gpu_train_step", "gpu_extraction_kernels"):
         assert suites.SUITES[name](quick=True, device=torch.device("cpu")) == {"skipped": "needs CUDA"}
+
+
+def test_the_dflash2_bench_times_the_coupled_step_beside_the_detached_one():
+    """bench --only dflash2 reports the coupled selector step over the detached one, from the same run, in the
+    shape's figures and the headline (a tiny shape here: the figures, not their values)."""
+    from bench import dflash2
+
+    shape = {"hidden": 32, "vocab": 64, "heads": 1, "head_dim": 32, "layers": 1, "block": 4, "anchors": 8, "rank": 4}
+    out = dflash2.shape_costs("tiny", shape, quick=True, device=torch.device("cpu"))
+    assert set(out["train_step_s"]) == {"dflash", "dflash2", "dflash2_coupled"}
+    times = out["train_step_s"]  # rounded to 10 us: the ratio of the unrounded medians within 1%
+    assert out["coupled_over_detached"] == pytest.approx(times["dflash2_coupled"] / times["dflash2"], rel=0.01)
+    assert suites.headline({"dflash2": {"shapes": {"tiny": out}}})["dflash2_coupled_step_over_detached"] == \
+        out["coupled_over_detached"]
