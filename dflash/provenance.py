@@ -24,12 +24,12 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 """Version of the feature-cache format (shards and manifest)."""
 
-GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend")
+GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend", "layout")
 """Fields that must agree between a drafter's training features and the features it is evaluated
 or resumed on; each may be waived knowingly with provenance.allow_mismatch=[...]."""
 
 RESUME_FIELDS = ("format_version", "target", "tokenizer", "layer_ids", "dtype", "storage", "kernel_backend",
-                 "data", "max_length", "shard_sequences", "topk_logits")
+                 "layout", "data", "max_length", "shard_sequences", "topk_logits")
 """Fields that must agree for an unfinished cache to be resumed by another extraction."""
 
 
@@ -69,14 +69,32 @@ def target_signature(target) -> dict:
             "dtype": str(target.dtype).removeprefix("torch.")}
 
 
+def layout(target) -> str | None:
+    """What the target's sharding makes of its features, as a guarded field: None (absent from the manifest) for
+    features equal to the unsharded target's: unsharded, placed over GPUs (the same computation, device by
+    device), or tensor parallel in a family whose equality the tests hold (dflash.target.sharding.EXACT_FAMILIES);
+    else a name that keeps them apart (refused beside unsharded ones unless provenance.allow_mismatch=[layout])."""
+    from dflash.target.sharding import EXACT_FAMILIES
+
+    size = target.sharding.get("tensor_parallel", 1)
+    family = getattr(target.config, "model_type", "?")
+    if size <= 1 or family in EXACT_FAMILIES:
+        return None
+    return f"tensor_parallel={size} ({family}: not verified equal to the unsharded target)"
+
+
 def features_manifest(target, layer_ids: list[int], storage: str, max_length: int, data_info: dict,
                       shard_sequences: int, topk_logits: int = 0) -> dict:
     """The provenance manifest of features computed now by `target` (DESIGN §3). topk_logits: k > 0 when the
     shards also hold the target's top-k next-token log-probabilities (the key is absent otherwise, as in
-    caches made before it existed)."""
+    caches made before it existed). `sharding` records how the target was laid out over devices; `layout` (only
+    where that makes other features: `layout`) is guarded."""
     report = backend_report(target)
+    kept = layout(target)
     return {
         **({"topk_logits": topk_logits} if topk_logits else {}),
+        **({"layout": kept} if kept else {}),
+        "sharding": dict(target.sharding),
         "format_version": FORMAT_VERSION,
         **target_signature(target),
         "target_path": target.path,
@@ -173,4 +191,6 @@ def check_trained_on(trained_on: dict | None, features: dict, allow: list[str], 
 
 def live_features(target, layer_ids: list[int]) -> dict:
     """The manifest fields of features the live target computes right now."""
-    return {**target_signature(target), "layer_ids": list(layer_ids), "kernel_backend": kernel_backend(target.kernels)}
+    kept = layout(target)
+    return {**target_signature(target), "layer_ids": list(layer_ids), "kernel_backend": kernel_backend(target.kernels),
+            **({"layout": kept} if kept else {})}

@@ -40,9 +40,22 @@ class TargetConfig:
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `path` is a hub id."""
+    tensor_parallel: int = 1
+    """Shard the target over this many processes with transformers' tensor-parallel plan (an MoE target's
+    experts too), for targets bigger than one GPU: launch with torchrun or accelerate; each group of this many
+    consecutive processes holds one target and runs every process's forwards together (dflash.target.sharding)."""
+    device_map: str | None = None
+    """Place the target's layers over this process's GPUs (accelerate: auto, balanced, balanced_low_0,
+    sequential) instead of loading it on one device; null = one device (target.device)."""
 
     def __post_init__(self) -> None:
         one_of("target.dtype", self.dtype, {"float32", "bfloat16", "float16"})
+        positive("target.tensor_parallel", self.tensor_parallel)
+        if self.device_map is not None:
+            one_of("target.device_map", self.device_map, {"auto", "balanced", "balanced_low_0", "sequential"})
+            if self.tensor_parallel > 1:
+                raise ConfigError(f"target.tensor_parallel={self.tensor_parallel} and target.device_map="
+                                  f"{self.device_map} both lay the target out; choose one (transformers refuses both)")
         positive("target.num_layers", self.num_layers)
         if self.build is not None:
             one_of("target.build", self.build, set(BUILDS))

@@ -34,6 +34,7 @@ from dflash.data.stops import StopStrings
 from dflash.dist import Dist
 from dflash.errors import CompletionsError
 from dflash.io import write_json, write_jsonl
+from dflash.target.sharding import drain, shared
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,8 @@ def obtain(cfg: CompletionsConfig, path: Path, prompts: list[tuple[str, str]], s
                 _run_server(cfg, model, mine, out, eos_id)
         finally:
             out.close()
+    if cfg.source == "hf":
+        drain(target)  # a tensor-parallel group generates each of its processes' shares together
     dist.wait_long("completions")  # hours, and not the same on every process
     if dist.is_main:
         merge_parts(path)
@@ -311,7 +314,7 @@ def _run_hf(cfg, target, items, out: _Appender) -> None:
     bar = tqdm(total=len(items), desc="completions", unit="prompt", disable=None)
     for s in range(0, len(items), cfg.batch_size):
         chunk = items[s: s + cfg.batch_size]
-        results = generate_hf(target, [t for _, _, t in chunk], cfg, stop_ids)
+        results = shared(target, generate_hf, [t for _, _, t in chunk], cfg, stop_ids)
         out.write([{"id": pid, "prompt_sha": text_sha(text), **r} for (_, pid, text), r in zip(chunk, results)])
         bar.update(len(chunk))
     bar.close()

@@ -24,6 +24,7 @@ from dflash.provenance import features_manifest
 from dflash.target.features import TopK, batched_features
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
+from dflash.target.sharding import drain
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, d
         fcache.write_shard(root, k, [s.id for s in part], [s.input_ids for s in part],
                            [s.loss_mask for s in part], feats, storage, len(layer_ids), stamp=stamp, topk=soft)
     bar.close()
+    drain(target)  # a tensor-parallel group runs each of its processes' forwards together (shares may differ)
     dist.wait_long("extract")  # hours, and not the same on every process
     if dist.is_main:
         fcache.finalize(root, num_shards)

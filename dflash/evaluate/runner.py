@@ -125,6 +125,11 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     run = find_run(job, job.checkpoint)
     if target_from_run:
         job = run_target(job, run)
+    if job.eval.mode == "live" and job.target.tensor_parallel > 1:  # before anything loads
+        raise ConfigError(f"eval=live decodes token by token on one process; target.tensor_parallel="
+                          f"{job.target.tensor_parallel} extracts and trains only. Evaluate live with "
+                          f"target.tensor_parallel=1 (target.device_map=auto places a target bigger than a GPU over "
+                          f"several), or serve the drafter with vLLM")
     benches = suites.benchmark_jobs(job)  # a suite's files are found (or missing ones named) before anything loads
     path = resolve_checkpoint(run, job.checkpoint)
     check_complete(path)

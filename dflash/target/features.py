@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.errors import TargetError
 from dflash.target.loading import Target
+from dflash.target.sharding import shared
 
 
 @dataclass
@@ -44,7 +46,24 @@ def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int]
     input_ids: [b, L]. attention_mask: [b, L] (1 = token, 0 = right padding). cache: a
     transformers cache for incremental decoding. logits_to_keep: None (no logits needed; only
     the last position's are computed), 0 (all positions) or k (the last k).
+    A target sharded over processes (target.tensor_parallel) runs the call with the other processes of its group
+    (dflash.target.sharding.shared): each process passes its own inputs and gets its own outputs.
     """
+    if getattr(target, "tp", None) is None:
+        return _forward(target, input_ids, layer_ids, attention_mask, position_ids, cache, logits_to_keep)
+    if cache is not None:
+        raise TargetError("decoding token by token with a cache (live evaluation, plain decoding) runs the target on "
+                          "one process: a tensor-parallel target (target.tensor_parallel > 1) extracts and trains "
+                          "only. Evaluate live with target.tensor_parallel=1 (target.device_map=auto places a "
+                          "target bigger than one GPU over several), or serve the drafter with vLLM")
+    cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731  (inputs travel to the group by value)
+    return shared(target, _forward, cpu(input_ids), layer_ids, cpu(attention_mask), cpu(position_ids), None,
+                  logits_to_keep)
+
+
+def _forward(target: Target, input_ids, layer_ids, attention_mask, position_ids, cache, logits_to_keep) -> TargetOutput:
+    device = target.device
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731  (a dict of masks stays as given)
     captured: dict[int, torch.Tensor] = {}
     hooks = []
     last = target.num_layers - 1
@@ -56,13 +75,14 @@ def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int]
     if cache is not None:
         kwargs[_cache_kwarg(target.model)] = cache
     try:
-        out = target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = target.model(input_ids=to(input_ids), attention_mask=to(attention_mask), position_ids=to(position_ids),
                            logits_to_keep=1 if logits_to_keep is None else logits_to_keep, **kwargs)
     finally:
         for h in hooks:
             h.remove()
-    features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
-    return TargetOutput(features=features, logits=None if logits_to_keep is None else out.logits)
+    # layers placed over several GPUs (target.device_map) leave their outputs where they ran
+    features = torch.cat([captured[i].to(device) for i in layer_ids], dim=-1) if layer_ids else None
+    return TargetOutput(features=features, logits=None if logits_to_keep is None else out.logits.to(device))
 
 
 @dataclass

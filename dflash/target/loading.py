@@ -22,6 +22,7 @@ from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
 from dflash.target.scales import IDENTITY, target_scales
+from dflash.target.sharding import full_copy, load_sharded
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class Target:
     """`weights_fingerprint` of the checkpoint files."""
     scales: dict = field(default_factory=lambda: dict(IDENTITY))
     """How it scales its embeddings in and its logits out (dflash.target.scales): what the drafter copies."""
+    tp: object | None = None
+    """This process's tensor-parallel group when the target is sharded over processes (target.tensor_parallel:
+    dflash.target.sharding.TensorParallel), else None."""
+    sharding: dict = field(default_factory=lambda: {"tensor_parallel": 1, "expert_parallel": 1, "device_map": None})
+    """How the target is laid out over devices, as the manifests record it."""
 
     @property
     def num_layers(self) -> int:
@@ -221,10 +227,17 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
         embed, head = _load_heads(model_dir, text_config, dtype, device)
         kernels, scales = {}, target_scales(text_config)
     else:
-        model = _load_model(path, cfg, dtype, common, device).requires_grad_(False).eval()
+        tp, sharding = None, {"tensor_parallel": 1, "expert_parallel": 1, "device_map": cfg.device_map}
+        if cfg.tensor_parallel > 1:
+            model, tp, sharding = load_sharded(path, cfg.name, text_config, cfg.tensor_parallel, dtype,
+                                               cfg.attn_implementation, common)
+        else:
+            model = _load_model(path, cfg, dtype, common, device)
+        model.requires_grad_(False).eval()
         layers = _find_layers(model, text_config.num_hidden_layers)
         norm = _find_final_norm(model, layers)
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        # what the drafter borrows, whole on every process (a tensor-parallel plan may split them)
+        embed, head = full_copy(model.get_input_embeddings()), full_copy(model.get_output_embeddings())
         kernels = kernel_report(model, list(getattr(text_config, "layer_types", None) or []))
         scales = target_scales(text_config, embed)
     if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
@@ -234,6 +247,9 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
                     embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
                     kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown",
                     scales=scales)
+    if not heads_only:
+        target.tp = tp
+        target.sharding = sharding
     if (device.type == "cuda" and target.is_hybrid and model is not None
             and target.kernels.get("linear_attention") != "fla" and not cfg.allow_fallback_kernels):
         raise TargetError(
@@ -290,9 +306,11 @@ def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, 
     from transformers import AutoModelForCausalLM
 
     # use_kernels=False: from 5.25 on transformers otherwise swaps layers' kernels for ones fetched from the hub
-    # (kernelize), a backend the provenance records would not name (and a hub lookup on offline machines)
+    # (kernelize), a backend the provenance records would not name (and a hub lookup on offline machines).
+    # target.device_map: accelerate places the layers over this process's GPUs (a target bigger than one)
+    placement = cfg.device_map if cfg.device_map is not None else {"": device}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                                device_map={"": device}, use_kernels=False, **common)
+                                                device_map=placement, use_kernels=False, **common)
 
 
 def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):

@@ -19,14 +19,18 @@ ALLOWANCE = 2 * GiB
 """The CUDA context, NCCL's buffers: bench/plan.py's allowance_gb."""
 
 
-def parameter_count(hf_config, trust_remote_code: bool = False) -> int:
-    """Parameters of the causal LM that `load_target` builds from `hf_config` (tied weights once), counted on
-    the meta device: nothing is allocated and no weights are read."""
+def parameter_count(hf_config, trust_remote_code: bool = False, tensor_parallel: int = 1) -> int:
+    """Parameters of the causal LM that `load_target` builds from `hf_config` (tied weights once) that one process
+    holds (a tensor-parallel group of `tensor_parallel` splits what transformers' plans split:
+    dflash.target.sharding.sharded_parameters), counted on the meta device: nothing is allocated and no weights
+    are read."""
     from transformers import AutoModelForCausalLM
+
+    from dflash.target.sharding import sharded_parameters
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+    return sharded_parameters(model, tensor_parallel)
 
 
 def device_memory(device: torch.device) -> int | None:

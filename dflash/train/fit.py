@@ -1,8 +1,8 @@
-"""Online training's up-front check: does the whole target fit each process's device beside the drafter?
+"""Online training's up-front check: does the target fit each process's device beside the drafter?
 
-Online training (train.mode=online) keeps the frozen target on every process's device, replicated (the
-target is not sharded: its forward runs on each process's own sequences, and the drafter borrows its
-embed_tokens and lm_head as plain tensors). Qwen3.6-27B in bf16 is 50 GiB; beside a 1.8 B-parameter
+Online training (train.mode=online) keeps the frozen target on every process's device: whole, or its share of
+a tensor-parallel group (target.tensor_parallel; the drafter borrows the target's embed_tokens and lm_head as
+plain tensors either way). Qwen3.6-27B in bf16 is 50 GiB; beside a 1.8 B-parameter
 drafter under DDP (34 GiB of float32 weights, gradients, AdamW moments and DDP's gradient buckets) that is
 more than an 80 GB GPU holds before the first activation. The run stops here, before the target is loaded,
 naming the figures and the ways out.
@@ -69,14 +69,15 @@ def drafter_state(job: JobConfig, params: int, world: int) -> tuple[int, str]:
 
 
 def check_online_fit(job: JobConfig, device: torch.device) -> None:
-    """Refuse train.mode=online up front when the target and the drafter's state cannot share `device`
-    (checked on CUDA devices only; reads config files, no weights)."""
+    """Refuse train.mode=online up front when the target (its share under target.tensor_parallel) and the drafter's
+    state cannot share `device` (checked on CUDA devices only; reads config files, no weights)."""
     if placement.device_memory(device) is None:
         return
     _, _, hf_config = read_config(job.target)
     text = hf_config.get_text_config()
     dtype = DTYPES[job.target.dtype]
-    target_params = placement.parameter_count(hf_config, job.target.trust_remote_code)
+    tp = job.target.tensor_parallel
+    target_params = placement.parameter_count(hf_config, job.target.trust_remote_code, tp)
     params = drafter_parameters(job, text)
     if params is None:
         return
@@ -86,13 +87,17 @@ def check_online_fit(job: JobConfig, device: torch.device) -> None:
                "features once; training then keeps only the target's embed_tokens and lm_head on the device)")
     fixes = [offline, "a GPU with more memory (e.g. an H200's 141 GB)"]
     if job.train.distributed != "fsdp" and world > 1:
-        fixes.append("train.distributed=fsdp, which shards the drafter's state (the target stays whole)")
+        fixes.append("train.distributed=fsdp, which shards the drafter's state")
+    if tp < world:
+        fixes.append(f"target.tensor_parallel={next((n for n in (2, 4, 8) if n > tp and world % n == 0), world)} "
+                     f"(up to the processes of a node), which shards the target")
     target_bytes = target_params * dtype.itemsize
-    target_how = f"{target_params / 1e9:.2f} B parameters x {dtype.itemsize} bytes, {job.target.dtype}"
+    target_how = (f"{target_params / 1e9:.2f} B parameters x {dtype.itemsize} bytes, {job.target.dtype}"
+                  + (f", its share of {tp} tensor-parallel processes" if tp > 1 else ""))
     placement.check_fits(
         device, {f"target {job.target.name}": (target_bytes, target_how), "drafter and optimizer": state},
-        why=(f"train.mode=online keeps the whole target on every process's device beside the drafter "
-             f"({world} process{'es' if world > 1 else ''}, {job.train.distributed})"),
+        why=(f"train.mode=online keeps the {'whole ' if tp == 1 else ''}target on every process's device beside the "
+             f"drafter ({world} process{'es' if world > 1 else ''}, {job.train.distributed})"),
         fix=(f"Use {'; or '.join(fixes)}. `python -m bench.plan <your overrides> world_size={world}` gives the "
              f"whole step's memory"))
     log.info("online training: target %s (%s) and the drafter's state (%s) fit %s", job.target.name,

@@ -38,7 +38,7 @@ def test_qwen3_6_27b_online_under_ddp_on_80gb_is_refused_before_loading(monkeypa
     monkeypatch.setattr(fit, "world_size", lambda: 8)
     counted = placement.parameter_count(getattr(transformers, cls)(**dims))
     assert counted == 26_895_998_464  # 50.1 GiB in bf16, the plan's "target model (online)"
-    monkeypatch.setattr(placement, "parameter_count", lambda config, trust_remote_code=False: counted)
+    monkeypatch.setattr(placement, "parameter_count", lambda config, trust_remote_code=False, tensor_parallel=1: counted)
     job = compose("train", ["experiment=qwen3_6_27b", "train.mode=online", "train.distributed=ddp",
                             "data.prompts=x.jsonl"])
     memory = {"gib": H100}
