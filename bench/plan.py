@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from bench import plan_costs
+from bench.plan_config import compose
 from bench.plan_costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
 from bench.plan_memory import (
     BUILD_BYTES,
@@ -110,6 +110,9 @@ _GPT_OSS = {"hidden_size": 2880, "vocab_size": 201088, "intermediate_size": 2880
                                 "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False}}
 TARGETS = {
+    # transformers' MiniMaxM2Config defaults are MiniMax-M2's dimensions (its docstring), which M2.5 keeps: 62 layers,
+    # hidden 3072, 48/8 heads x 128, 256 experts 1536 wide (top 8), vocab 200064
+    "minimax_m2_5": ("MiniMaxM2Config", {}),
     "qwen3_8b": ("Qwen3Config", {
         "hidden_size": 4096, "num_hidden_layers": 36, "vocab_size": 151936, "intermediate_size": 12288,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
@@ -191,16 +194,19 @@ def active_params(model, text) -> int:
     return total - expert + expert * top_k // experts
 
 
-def drafter_shape(drafter, vocab: int, tied: bool = False, target=None) -> Shape:
+def drafter_shape(drafter, vocab: int, tied: bool = False, target=None, tensor_parallel: int = 1) -> Shape:
     """The Shape of a DFlashDraftModel on any device, meta included; `target` (a causal LM, meta included,
-    and its text config) adds what online training and loading need."""
+    and its text config) adds what online training and loading need: the target's parameters a GPU holds (its
+    share of a tensor-parallel group of `tensor_parallel`, dflash.target.sharding.sharded_parameters)."""
+    from dflash.target.sharding import sharded_parameters
+
     c, params = drafter.config, list(drafter.parameters())
     extra = {}
     if target is not None:
         model, text = target
         sizes = sorted({id(p): p.numel() for p in model.parameters()}.values(), reverse=True)
-        extra = {"target_params": sum(sizes), "target_intermediate": active_intermediate(text),
-                 "target_active_params": active_params(model, text),
+        extra = {"target_params": sharded_parameters(model, tensor_parallel),
+                 "target_intermediate": active_intermediate(text), "target_active_params": active_params(model, text),
                  "target_largest": tuple(sizes[:plan_costs.LOADER_THREADS])}
     return Shape(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
                  head_dim=drafter.layers[0].self_attn.head_dim, intermediate=c.intermediate_size,
@@ -251,14 +257,16 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
                         mask_token_id=tcfg.mask_token_id, path=tcfg.path)
         drafter = build_drafter(job["drafter"], job["layers"], target)
         model = AutoModelForCausalLM.from_config(text)  # the causal LM online training keeps whole
-    shape = drafter_shape(drafter, V, bool(getattr(text, "tie_word_embeddings", False)), (model, text))
+    shape = drafter_shape(drafter, V, bool(getattr(text, "tie_word_embeddings", False)), (model, text),
+                          tcfg.tensor_parallel)
     setup = Setup(ctx_len=job["max_length"], num_anchors=train.num_anchors, batch=train.batch_size,
                   grad_accum=train.grad_accum,
                   compute=4 if train.mixed_precision == "no" else 2,  # auto is bf16 on a GPU
                   frozen=DTYPES[tcfg.dtype].itemsize, backend="sdpa" if train.attention == "sdpa" else "flex",
                   checkpointing=train.gradient_checkpointing, chunk_logits=job["loss"].chunk_logits,
                   noise=job["noise"].kind != "none", online=train.mode == "online", world=world,
-                  distributed=train.distributed, allowance=allowance_gb * GiB, fragmentation=fragmentation)
+                  distributed=train.distributed, allowance=allowance_gb * GiB, fragmentation=fragmentation,
+                  tensor_parallel=tcfg.tensor_parallel)
     return drafter, shape, setup
 
 
@@ -321,7 +329,9 @@ def render(plan: dict, drafter, title: str) -> str:
     step = (f"per GPU: {u['batch']} x {u['ctx_len']} context tokens, num_anchors {u['num_anchors']} "
             f"({u['batch'] * u['num_anchors'] * s['block_size']} block tokens), "
             f"{'bf16 autocast' if u['compute'] == 2 else 'float32'}, {u['backend']} attention, "
-            f"{'online' if u['online'] else 'offline'}, {u['distributed']} x {u['world']}")
+            f"{'online' if u['online'] else 'offline'}, {u['distributed']} x {u['world']}"
+            + (f", the target tensor parallel x {u['tensor_parallel']} (its share per GPU)"
+               if u.get("tensor_parallel", 1) > 1 else ""))
     lines = [f"memory plan: {title}", head, step, ""]
     lines += [f"  {k:<38} {v:9.2f} GiB" for k, v in plan["terms_gib"].items() if v]
     lines.append(f"  {'fixed allowance (CUDA context, NCCL)':<38} {u['allowance'] / GiB:9.2f} GiB")
@@ -343,25 +353,6 @@ def render(plan: dict, drafter, title: str) -> str:
     if "run" in plan:
         lines += plan_costs.render_run(plan["run"], u["world"])
     return "\n".join(lines)
-
-
-def compose(overrides: list[str]) -> dict:
-    """The config groups a plan reads, composed from conf/train.yaml like train.py does."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from dflash.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = hydra_compose(config_name="train", overrides=overrides)
-    # group by group: the data group may lack what only a real run needs (data.prompts)
-    job = {k: OmegaConf.to_object(cfg[k]) for k in ("target", "drafter", "layers", "loss", "noise", "train")}
-    d = cfg.data
-    data = {"prompts": None if OmegaConf.is_missing(d, "prompts") else d.prompts, "format": d.format,
-            "split": d.split, "limit": d.limit, "offset": d.offset}
-    return {**job, "max_length": d.max_length, "data": data, "storage": cfg.features.storage}
 
 
 def main(argv: list[str] | None = None) -> None:

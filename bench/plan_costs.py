@@ -169,7 +169,7 @@ def recomputed(result: dict, overrides: list[str]) -> bool:
 
 @functools.cache
 def _composed_checkpointing(overrides: tuple[str, ...]) -> bool:
-    from bench.plan import compose  # bench.plan imports this module
+    from bench.plan_config import compose
 
     try:
         return bool(compose(list(overrides))["train"].gradient_checkpointing)

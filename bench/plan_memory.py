@@ -95,6 +95,7 @@ class Setup:
     online: bool = False
     world: int = 1
     distributed: str = "ddp"
+    tensor_parallel: int = 1  # the target sharded over this many GPUs (Shape.target_params is then one GPU's share)
     foreach: bool = True  # AdamW's foreach path (CUDA): a temporary the size of the parameters in the step
     allowance: float = 2 * GiB
     fragmentation: float = 0.1

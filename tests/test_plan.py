@@ -327,12 +327,17 @@ def test_plan_of_the_published_drafters_targets(experiment):
     assert shape.layer_params == attention + bias + 3 * H * mlp + 2 * H
     assert shape.params == layers * shape.layer_params + len(ids) * H * H + 2 * H  # + fc, hidden_norm, norm
     total, active = TARGET_PARAMS[experiment]
-    assert (round(shape.target_params / 1e9, 2), round(shape.target_active_params / 1e9, 2)) == (total, active)
+    tp = job["target"].tensor_parallel
+    whole = plan.build(plan.compose([f"experiment={experiment}", "target.tensor_parallel=1"]), world=8)[1]
+    assert (round(whole.target_params / 1e9, 2), round(shape.target_active_params / 1e9, 2)) == (total, active)
+    # sharded over 8 (gpt-oss-120b: 117B parameters fit no GPU whole): a GPU keeps its experts' eighth and the rest
+    share = round(shape.target_params / 1e9, 2)
+    assert tp == (8 if experiment == "gpt_oss_120b" else 1) and total / tp <= share < 1.1 * total / tp
     out = plan.make_plan(shape, setup, [80, 141])
     configured = out["peak"]["checkpointing" if setup.checkpointing else "no checkpointing"]["gib"]
     assert configured <= 80  # the 31B at 384 anchors: at 512 nothing online fits 80 GB
     assert setup.num_anchors == (384 if experiment == "gemma4_31b_it" else 512)
-    assert setup.online == (experiment != "gpt_oss_120b")  # 117B parameters fit no GPU: offline
+    assert setup.online and setup.tensor_parallel == tp
 
 
 def test_moe_targets_count_the_experts_a_token_runs_through():

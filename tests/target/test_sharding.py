@@ -89,7 +89,8 @@ def run(cmd: list, cwd) -> str:
 def test_tensor_parallel_features_equal_the_unsharded_targets(tiny_targets, tmp_path):
     """TP = 2 over two processes (gloo) for an attention, a hybrid and an MoE target (its experts split too): every
     feature and top-k log-probability within 1e-5 of the same target loaded whole, with shares of unequal size
-    (one process drains while the other still extracts); Gemma 4's plan is refused in one line."""
+    (one process drains while the other still extracts), each process holding the parameters the plan counts for it
+    (dflash.target.sharding.sharded_parameters); Gemma 4's plan is refused in one line."""
     out = run(TORCHRUN + ["-m", "tests.target.tp_probe", "tiny_qwen3", "tiny_qwen3_5", "tiny_qwen3_moe", "tiny_gemma"],
               REPO)
     ranks = json.loads(out.strip().splitlines()[-1])
@@ -98,6 +99,7 @@ def test_tensor_parallel_features_equal_the_unsharded_targets(tiny_targets, tmp_
             got = per_rank[name]
             assert got["features"] < 1e-5 and got["topk_logprobs"] < 1e-5, (name, got)
             assert got["sharding"]["tensor_parallel"] == 2
+            assert got["parameters"] == got["planned"], (name, got)  # bench.plan counts what a process holds
         assert per_rank["tiny_qwen3_moe"]["sharding"]["expert_parallel"] == 2
         assert per_rank["tiny_qwen3"]["sharding"]["expert_parallel"] == 1
         refused = per_rank["tiny_gemma"]["refused"]

@@ -5,8 +5,8 @@
 Per target: the features of a few sequences through `batched_features` (what extraction runs) on the target loaded
 with target.tensor_parallel=2, the processes' shares of unequal size (process 0 has three sequences, process 1 one,
 so process 1 drains while process 0 still extracts), each against the same target loaded whole in the same process;
-the largest absolute difference of any feature and of any top-k log-probability. A target whose sharding is refused
-reports the one-line reason.
+the largest absolute difference of any feature and of any top-k log-probability; and the parameters the process holds
+against the plan's count of them. A target whose sharding is refused reports the one-line reason.
 """
 
 from __future__ import annotations
@@ -41,7 +41,27 @@ def probe(name: str) -> dict:
         worst = max(worst, (features - ref.features[0]).abs().max().item())
         worst_top = max(worst_top, (top.logprobs - topk_of(ref.logits[0], 8).logprobs).abs().max().item())
     drain(sharded)
-    return {"features": worst, "topk_logprobs": worst_top, "sharding": sharded.sharding}
+    return {"features": worst, "topk_logprobs": worst_top, "sharding": sharded.sharding,
+            "parameters": held(sharded.model), "planned": planned(whole.model.config, 2)}
+
+
+def held(model) -> int:
+    """Parameters this process holds of a sharded model: each tensor's local shard, tied ones once."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {id(p): p for p in model.parameters()}.values()
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in seen)
+
+
+def planned(config, size: int) -> int:
+    """What dflash.target.sharding.sharded_parameters (the plan's count) says a process of `size` holds."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.target.sharding import sharded_parameters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sharded_parameters(model, size)
 
 
 def main(names: list[str]) -> None:
