@@ -50,7 +50,8 @@ GRAD_COS_MIN = 0.99
 # side by side with each other only they took 264 s and 282 s, past the 150 s they had. The report records the
 # autotunings each check ran and the cache's results before and after (bench/gpu_runner.py)
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
-            "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150}
+            "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150,
+            "sharded_extraction": 150}
 # their tokens/s and MFU need the GPU to themselves (bench.plan takes a preset's MFU from its step): the DFlash 2
 # step ran at MFU 0.15 beside the other checks and 0.20 alone on the first H200
 ALONE = ("flex_train_step", "qwen3_6_step", "qwen3_6_dflash2_step")
@@ -209,10 +210,54 @@ def vllm_dflash2(budget: float) -> dict:
             "result": out}
 
 
-GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step", "vllm_dflash2"}
+SHARDED_TARGETS = ["tiny_qwen3", "tiny_qwen3_5", "tiny_qwen3_moe"]  # attention, hybrid, MoE (2 KV heads: TP <= 2)
+SHARDED_TOL = 1e-4  # float32 features; NCCL's reduction order moves them by ~1e-6 (gloo on a CPU: 6e-8)
+
+
+def sharded_extraction(budget: float) -> dict:
+    """A target bigger than one GPU, as the first machine with several verifies it: on 2 or more GPUs the tiny
+    attention, hybrid and MoE targets sharded over two of them (target.tensor_parallel=2, NCCL), on one GPU placed
+    by accelerate (target.device_map=auto); each process's features and top-k log-probabilities against the same
+    target loaded whole on one device (tests.target.tp_probe), within SHARDED_TOL, and the parameters each holds
+    against bench.plan's count."""
+    import json
+
+    if _cuda() is None:
+        return {"status": "SKIP", "summary": "needs CUDA (on a CPU tests/target/test_sharding.py runs the same probe "
+                                             "under gloo)"}
+    gpus = torch.cuda.device_count()
+    probe = [sys.executable, "-m", "tests.target.tp_probe", "--device", "cuda"]
+    if gpus == 1:
+        cmd, how = probe + ["--placement", *SHARDED_TARGETS], "placed over 1 GPU (target.device_map=auto)"
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *probe[1:], *SHARDED_TARGETS]
+        how = "tensor parallel over 2 GPUs (NCCL)"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": "0,1"} if gpus > 1 else {})}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(budget, 60))
+    if r.returncode != 0:
+        return {"status": "FAIL", "summary": f"{how}: the probe failed: {(r.stderr or r.stdout).strip()[-300:]}"}
+    ranks = json.loads(r.stdout.strip().splitlines()[-1])
+    why, parts = [], []
+    for name in SHARDED_TARGETS:
+        got = [per_rank[name] for per_rank in ranks]
+        if any("refused" in g for g in got):
+            why.append(f"{name} refused: {got[0].get('refused')}")
+            continue
+        worst = max(max(g["features"], g["topk_logprobs"]) for g in got)
+        held = all(g["parameters"] == g["planned"] for g in got)
+        parts.append(f"{name} {worst:.1e}{'' if held else ' (parameters held != plan)'}")
+        if worst > SHARDED_TOL or not held:
+            why.append(f"{name}: max difference {worst:.2e} (tolerance {SHARDED_TOL}), parameters as planned: {held}")
+    return {"status": "FAIL" if why else "PASS",
+            "summary": f"{how}: " + "; ".join(why or parts), "ranks": ranks}
+
+
+GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step", "vllm_dflash2",
+            "sharded_extraction"}
 CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
           "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless,
-          "qwen3_6_dflash2_step": qwen3_6_dflash2_step, "vllm_dflash2": vllm_dflash2}
+          "qwen3_6_dflash2_step": qwen3_6_dflash2_step, "vllm_dflash2": vllm_dflash2,
+          "sharded_extraction": sharded_extraction}
 
 
 def resolve(name: str):

@@ -31,13 +31,13 @@ def test_gpu_check_runs_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
     lines = run.stdout.splitlines()
     assert run.returncode == 0, run.stdout + run.stderr
     for name in ("flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step",
-                 "vllm_dflash2"):
+                 "vllm_dflash2", "sharded_extraction"):
         assert any(line.startswith(f"SKIP {name} needs CUDA") for line in lines), run.stdout
     for name in ("install", "autocast_loss", "live_lossless"):
         assert any(line.startswith(f"PASS {name} ") for line in lines), run.stdout
     [path] = tmp_path.glob("*-gpu-check.json")
     report = json.loads(path.read_text())
-    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 6} and report["complete"] and not report["pending"]
+    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 7} and report["complete"] and not report["pending"]
     assert report["checks"]["live_lossless"]["runs"] and report["checks"]["autocast_loss"]["loss_rel_diff"] < 1e-2
 
 
@@ -505,3 +505,23 @@ def test_the_wheels_leave_wandb_out_and_install_beside_the_environment():
     script = (REPO / "bench/gpu_check.sh").read_text()
     assert "--target \"$SITE\"" in script and 'export PYTHONPATH="$SITE' in script
     assert "wandb:wandb" not in script
+
+
+@pytest.mark.parametrize("case", ["pass", "off", "held", "refused"])
+def test_the_sharded_extraction_check_judges_each_target_and_process(monkeypatch, case):
+    """sharded_extraction (its probe faked): PASS when every process's features are within tolerance and it holds
+    what the plan counts; FAIL naming the target when one process is off, holds other parameters, or is refused."""
+    from bench import gpu_checks
+
+    good = {"features": 1e-6, "topk_logprobs": 2e-6, "parameters": 10, "planned": 10}
+    bad = {"pass": good, "off": {**good, "features": 3e-3}, "held": {**good, "parameters": 12},
+           "refused": {"refused": "target.tensor_parallel=2 cannot shard x"}}[case]
+    ranks = [{n: good for n in gpu_checks.SHARDED_TARGETS}, {**{n: good for n in gpu_checks.SHARDED_TARGETS},
+                                                             "tiny_qwen3_moe": bad}]
+    monkeypatch.setattr(gpu_checks.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout="log line\n" + json.dumps(ranks) + "\n", stderr=""))
+    monkeypatch.setattr(gpu_checks, "_cuda", lambda: torch.device("cuda"))
+    monkeypatch.setattr(gpu_checks.torch.cuda, "device_count", lambda: 2)
+    out = gpu_checks.sharded_extraction(60)
+    assert out["status"] == ("PASS" if case == "pass" else "FAIL"), out["summary"]
+    assert case == "pass" or "tiny_qwen3_moe" in out["summary"]

@@ -122,7 +122,7 @@ def test_torchrun_extraction_with_tensor_parallel_writes_the_one_process_cache(t
     completions = [{r["id"]: r["completion_ids"] for r in map(json.loads, (tmp_path / k / "completions.jsonl").open())}
                    for k in ("tp", "one")]
     assert completions[0] == completions[1]
-    tp, one = FeatureCache(tmp_path / "tp/f", dtype=torch.float32), FeatureCache(tmp_path / "one/f", dtype=torch.float32)
+    tp, one = (FeatureCache(tmp_path / k / "f", dtype=torch.float32) for k in ("tp", "one"))
     assert tp.ids == one.ids and len(one) == 16 and len(tp.manifest["shards"]) == 6
     for i in range(len(one)):
         (a_ids, a_mask, a), (b_ids, b_mask, b) = tp[i], one[i]
