@@ -21,6 +21,7 @@ from torch import nn
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
+from dflash.target.quantization import check_heads, declared, loading_kwargs, record
 from dflash.target.scales import IDENTITY, target_scales
 from dflash.target.sharding import full_copy, load_sharded
 
@@ -56,6 +57,8 @@ class Target:
     dflash.target.sharding.TensorParallel), else None."""
     sharding: dict = field(default_factory=lambda: {"tensor_parallel": 1, "expert_parallel": 1, "device_map": None})
     """How the target is laid out over devices, as the manifests record it."""
+    quantization: dict | None = None
+    """How the checkpoint is quantized and how it ran (dflash.target.quantization.record); None: unquantized."""
 
     @property
     def num_layers(self) -> int:
@@ -222,6 +225,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
                           f"{text_config.num_hidden_layers} layers; fix the preset or target.path")
     tokenizer = AutoTokenizer.from_pretrained(path, **common)
     dtype = DTYPES[cfg.dtype]
+    quantized = declared(hf_config)
     if heads_only and model_dir is not None:
         model, layers, norm = None, None, None
         embed, head = _load_heads(model_dir, text_config, dtype, device)
@@ -232,7 +236,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
             model, tp, sharding = load_sharded(path, cfg.name, text_config, cfg.tensor_parallel, dtype,
                                                cfg.attn_implementation, common)
         else:
-            model = _load_model(path, cfg, dtype, common, device)
+            model = _load_model(path, cfg, dtype, common, device, quantized)
         model.requires_grad_(False).eval()
         layers = _find_layers(model, text_config.num_hidden_layers)
         norm = _find_final_norm(model, layers)
@@ -246,7 +250,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
                     embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
                     kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown",
-                    scales=scales)
+                    scales=scales, quantization=record(quantized, model_dir, model) if quantized else None)
     if not heads_only:
         target.tp = tp
         target.sharding = sharding
@@ -272,7 +276,10 @@ def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target
                   lm_head=model.get_output_embeddings(), mask_token_id=-1 if mask_token_id is None else mask_token_id,
                   path=getattr(model, "name_or_path", ""),
                   kernels=kernel_report(model, list(getattr(text_config, "layer_types", None) or [])),
-                  fingerprint="unknown", scales=target_scales(text_config, model.get_input_embeddings()))
+                  fingerprint="unknown", scales=target_scales(text_config, model.get_input_embeddings()),
+                  # a model transformers dequantized at load has dropped its quantization_config: not seen here
+                  quantization=record(declared(model.config), None, model) if getattr(model, "is_quantized", False)
+                  else None)
 
 
 def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:
@@ -293,7 +300,8 @@ def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:
     return path, model_dir, hf_config
 
 
-def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, device: torch.device) -> nn.Module:
+def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, device: torch.device,
+                quantized: dict | None = None) -> nn.Module:
     """The causal LM, each weight read from its safetensors file straight to `device`.
 
     transformers (5.x) builds the model on the meta device and then fills it tensor by tensor: with
@@ -302,6 +310,8 @@ def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, 
     few tensors at a time (the loader's threads), never the model. Without it the model is filled on the
     host and `.to(device)` copies it after: the whole model in host memory on every process (where the
     file's dtype is `dtype`, as pages of the mapped files; otherwise as cast copies in process memory).
+    A quantized checkpoint (`quantized`: its quantization_config) loads through transformers' quantizer, checked
+    first for the placement (dflash.target.quantization.loading_kwargs).
     """
     from transformers import AutoModelForCausalLM
 
@@ -309,14 +319,17 @@ def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, 
     # (kernelize), a backend the provenance records would not name (and a hub lookup on offline machines).
     # target.device_map: accelerate places the layers over this process's GPUs (a target bigger than one)
     placement = cfg.device_map if cfg.device_map is not None else {"": device}
+    extra = loading_kwargs(quantized, placement, cfg.name, path) if quantized else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                                device_map=placement, use_kernels=False, **common)
+                                                device_map=placement, use_kernels=False, **common, **extra)
 
 
 def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
-    """embed_tokens and lm_head straight from the safetensors files (tied heads share one tensor)."""
+    """embed_tokens and lm_head straight from the safetensors files (tied heads share one tensor); a head stored
+    quantized is refused (dflash.target.quantization.check_heads)."""
     from safetensors import safe_open
 
+    check_heads(model_dir)
     found: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
