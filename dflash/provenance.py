@@ -18,18 +18,19 @@ import torch
 
 from dflash.errors import CacheError, ConfigError, ProvenanceError
 from dflash.target.identity import kernel_backend, target_identity, tokenizer_fingerprint
+from dflash.target.quantization import signature
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 """Version of the feature-cache format (shards and manifest)."""
 
-GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend", "layout")
+GUARDED_FIELDS = ("target", "tokenizer", "layer_ids", "dtype", "kernel_backend", "layout", "quantized")
 """Fields that must agree between a drafter's training features and the features it is evaluated
 or resumed on; each may be waived knowingly with provenance.allow_mismatch=[...]."""
 
 RESUME_FIELDS = ("format_version", "target", "tokenizer", "layer_ids", "dtype", "storage", "kernel_backend",
-                 "layout", "data", "max_length", "shard_sequences", "topk_logits")
+                 "layout", "quantized", "data", "max_length", "shard_sequences", "topk_logits")
 """Fields that must agree for an unfinished cache to be resumed by another extraction."""
 
 
@@ -83,18 +84,29 @@ def layout(target) -> str | None:
     return f"tensor_parallel={size} ({family}: not verified equal to the unsharded target)"
 
 
+def quantized(target) -> str | None:
+    """What a quantized target's quantization makes of its features, as a guarded field: None (absent from the
+    manifest, as in manifests made before quantized targets were) for an unquantized target; else its format, bits
+    and how it ran (`mxfp4, 4-bit, dequantized at load`), which keeps them apart from an unquantized target's and
+    from the same checkpoint's run another way (refused unless provenance.allow_mismatch=[quantized])."""
+    return signature(getattr(target, "quantization", None))
+
+
 def features_manifest(target, layer_ids: list[int], storage: str, max_length: int, data_info: dict,
                       shard_sequences: int, topk_logits: int = 0) -> dict:
     """The provenance manifest of features computed now by `target` (DESIGN §3). topk_logits: k > 0 when the
     shards also hold the target's top-k next-token log-probabilities (the key is absent otherwise, as in
     caches made before it existed). `sharding` records how the target was laid out over devices; `layout` (only
-    where that makes other features: `layout`) is guarded."""
+    where that makes other features: `layout`) is guarded. `quantization` records the checkpoint's quantization
+    (dflash.target.quantization.record; None: unquantized); `quantized` (only for a quantized target) is guarded."""
     report = backend_report(target)
-    kept = layout(target)
+    kept, quant = layout(target), quantized(target)
     return {
         **({"topk_logits": topk_logits} if topk_logits else {}),
         **({"layout": kept} if kept else {}),
+        **({"quantized": quant} if quant else {}),
         "sharding": dict(target.sharding),
+        "quantization": getattr(target, "quantization", None),
         "format_version": FORMAT_VERSION,
         **target_signature(target),
         "target_path": target.path,
@@ -191,6 +203,6 @@ def check_trained_on(trained_on: dict | None, features: dict, allow: list[str], 
 
 def live_features(target, layer_ids: list[int]) -> dict:
     """The manifest fields of features the live target computes right now."""
-    kept = layout(target)
+    kept, quant = layout(target), quantized(target)
     return {**target_signature(target), "layer_ids": list(layer_ids), "kernel_backend": kernel_backend(target.kernels),
-            **({"layout": kept} if kept else {})}
+            **({"layout": kept} if kept else {}), **({"quantized": quant} if quant else {})}

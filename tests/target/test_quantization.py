@@ -12,11 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config import TargetConfig
-from dflash.errors import TargetError
+from dflash.errors import CacheError, ProvenanceError, TargetError
+from dflash.provenance import check_provenance, check_resumable, features_manifest, live_features
 from dflash.target import load_target
 from dflash.target.builtin import build
 from dflash.target.features import target_forward
 from dflash.target.quantization import bits
+from tests.conftest import compose
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
@@ -161,6 +163,40 @@ def test_a_quantized_checkpoint_gives_the_features_of_its_dequantized_weights(ch
     assert record["method"] == CONFIGS[fmt]["quant_method"] and record["bits"] == [8 if fmt == "fp8" else 4]
     assert record["runs"] == runs and record["config"]["quant_method"] == record["method"]
     assert record["modules"] == modules and record["versions"]["transformers"]
+
+
+def test_the_manifest_records_the_quantization_and_keeps_its_features_apart_from_the_unquantized_targets(
+        checkpoints, tmp_path):
+    """Extraction from the MXFP4 target writes the quantization into the manifest (a record, and the guarded
+    `quantized`); a drafter trained on the unquantized target's features refuses them at evaluation, and a cache
+    resumed across the two is refused, each naming the field; manifests made before the field existed match the
+    unquantized target."""
+    from dflash.data.extraction import extract_training
+    from dflash.dist import Dist
+
+    original, quantized, _ = checkpoints("mxfp4-gpt_oss")
+    job = compose("extract", ["target=tiny_gpt_oss", f"target.path={quantized}", "data=tiny", "data.limit=3",
+                              "data.completions.max_new_tokens=8", f"features.dir={tmp_path}/f"])
+    target = load_target(job.target)
+    manifest = extract_training(job, target, Dist())
+    assert json.loads((tmp_path / "f" / "manifest.json").read_text())["quantized"] == manifest["quantized"] \
+        == "mxfp4, 4-bit, dequantized at load"
+    assert manifest["quantization"]["modules"] == ["model.layers.*.mlp.experts"]
+
+    plain = load_target(target_config(original))
+    trained_on = features_manifest(plain, [1, 3], "float32", 64, {}, 8)
+    assert "quantized" not in trained_on and trained_on["quantization"] is None
+    with pytest.raises(ProvenanceError) as refused:
+        check_provenance(trained_on, live_features(target, [1, 3]), ["target"])
+    message = str(refused.value)
+    assert "quantized: null in the checkpoint, mxfp4, 4-bit, dequantized at load in the features" in message
+    assert "provenance.allow_mismatch=[quantized]" in message and len(message.splitlines()) == 3
+    assert check_provenance(trained_on, live_features(target, [1, 3]), ["target", "quantized"]) == ["target",
+                                                                                                   "quantized"]
+    with pytest.raises(CacheError, match="quantized: cache has null"):
+        check_resumable({**manifest, "quantized": None}, manifest, tmp_path)
+    old = {k: v for k, v in trained_on.items() if k not in ("quantized", "quantization")}
+    assert check_provenance(old, live_features(plain, [1, 3])) == []
 
 
 def test_a_cpu_placement_dequantizes_mxfp4_and_fp8_even_where_a_gpu_is_visible(checkpoints, monkeypatch):
