@@ -111,6 +111,10 @@ class TrainConfig:
         positive("train.collective_timeout_minutes", self.collective_timeout_minutes)
 
 
+SELECTOR_DRAWS = ("candidates", "vocabulary", "unary")
+"""eval.selector_draw's values (dflash.drafter.sampling.SelectorDraw)."""
+
+
 @dataclass
 class EvalConfig:
     """Held-out evaluation, in-run and from evaluate.py."""
@@ -152,10 +156,15 @@ class EvalConfig:
     """Nucleus sampling of target and drafter alike (1 = off); used when temperature > 0."""
     top_k: int = 0
     """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
+    selector_draw: str = "candidates"
+    """DFlash 2 at temperature > 0, what its chain is drawn from (dflash.drafter.sampling.SelectorDraw): candidates
+    (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the unary
+    logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
+    unary (the unary head alone, DFlash's drafting). Recorded in summary.json and the metrics' namespace."""
     selector_truncation: bool = False
-    """DFlash 2 at temperature > 0: apply top_p / top_k to the selector's K candidates too. Off (the default) draws
-    among them from softmax(score / temperature), as the z-lab reference decoder does, so that acceptance compares
-    with its; on is an extra, recorded in summary.json and in the metrics' namespace (eval/t1-p0.9-sel/...)."""
+    """DFlash 2 at temperature > 0: apply top_p / top_k to its draw too. Off (the default) draws from softmax(score /
+    temperature), as the z-lab reference decoder does, so that acceptance compares with its; on is an extra,
+    recorded in summary.json and in the metrics' namespace (eval/t1-p0.9-sel/...)."""
     verifier: str = "rejection"
     """Live mode at temperature > 0: rejection (speculative sampling: lossless, the acceptance servers get),
     seeded (exact match of the target's seeded draws: the output equals plain sampling token for token, and
@@ -227,6 +236,7 @@ class EvalConfig:
         positive("eval.every", self.every, allow_zero=True)
         positive("eval.temperature", self.temperature, allow_zero=True)
         one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
+        one_of("eval.selector_draw", self.selector_draw, set(SELECTOR_DRAWS))
         one_of("eval.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
         one_of("eval.turns", self.turns, {"all", "first"})
         if not 0 < self.top_p <= 1:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dflash.config.run import SELECTOR_DRAWS
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -59,12 +61,43 @@ def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return _nucleus(p, sampling.top_p) if sampling.top_p < 1 else p
 
 
-def candidate_sampling(sampling: Sampling, truncate: bool = False) -> Sampling:
-    """The transform DFlash 2's selector draws among its K candidates with: softmax(score / T) over them, as the
-    z-lab reference decoder draws (top-k and top-p off, so that acceptance compares with its), or `sampling` whole
-    when `truncate` (eval.selector_truncation) asks for its top-k / top-p on the candidates too. Either is
-    lossless: the verifier is given the q the drafts came from."""
-    return sampling if truncate else replace(sampling, top_p=1.0, top_k=0)
+@dataclass(frozen=True)
+class SelectorDraw:  # eval.selector_draw and eval.selector_truncation
+    """How a DFlash 2 drafter draws its chain at temperature > 0 (greedy drafting is the selector's walk whatever
+    this says). Rejection sampling is lossless for any q the drafts are drawn from, so each is a choice of
+    acceptance, not of correctness."""
+
+    over: str = "candidates"
+    """candidates: softmax(score / T) over the unary top-K, zero elsewhere, as the z-lab reference draws (where the
+    target's distribution is flatter than K tokens cover, acceptance is capped by its mass on them); vocabulary:
+    softmax over every token of the unary logits with the K candidates' entries replaced by their selector scores
+    (the selector's gain where it rescored, the unary head's distribution elsewhere); unary: the unary head's
+    distribution alone (DFlash's drafting)."""
+    truncate: bool = False
+    """Apply the run's top-p / top-k to the draw too (candidates: among the K; vocabulary: over every token);
+    off, only the temperature, as the reference draws."""
+
+    def __post_init__(self) -> None:
+        if self.over not in SELECTOR_DRAWS:
+            raise ValueError(f"selector draw over={self.over!r}: one of {', '.join(SELECTOR_DRAWS)}")
+
+    def sampling(self, sampling: Sampling) -> Sampling:
+        """The transform of the draw's rows: `sampling` whole when truncating, else its temperature alone."""
+        return sampling if self.truncate else replace(sampling, top_p=1.0, top_k=0)
+
+
+def selector_rows(draw: SelectorDraw, logits: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor,
+                  sampling: Sampling) -> torch.Tensor:
+    """The distributions [..., V] a DFlash 2 slot is drawn from at temperature > 0 (`SelectorDraw`): logits [..., V]
+    (the unary ones), scores [..., K] (the selector's, after the slot's predecessor), cand [..., K] their token
+    ids."""
+    rows = draw.sampling(sampling)
+    if draw.over == "unary":
+        return probs(logits, rows)
+    if draw.over == "vocabulary":
+        return probs(logits.float().scatter(-1, cand, scores.float()), rows)
+    return torch.zeros(*logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, cand,
+                                                                                          probs(scores, rows))
 
 
 def _nucleus(p: torch.Tensor, top_p: float) -> torch.Tensor:

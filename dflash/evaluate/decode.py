@@ -17,6 +17,7 @@ verifier="seeded" instead draws the target's token at position t from a generato
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from dflash.data.stops import StopStrings
 from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import selector_tables, walk_path
-from dflash.drafter.sampling import Sampling, candidate_sampling, probs
+from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows
 from dflash.evaluate.rules import Rule, make_rule, plain_sample
 from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
@@ -78,7 +79,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
                          seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
                          verifier: str = "rejection", stop_strings: list[str] | None = None,
-                         selector_truncation: bool = False) -> SpecResult:
+                         selector_draw: str = "candidates", selector_truncation: bool = False) -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -89,8 +90,9 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     its DDTree from the selector's pairwise scores (a child conditioned on its parent's token) instead of the
     per-slot marginals ("marginal").
     temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling), but
-    a DFlash 2 drafter draws among its K candidates from softmax(score / T), as the reference decoder does, and
-    applies top_p / top_k to them only with selector_truncation=True.
+    a DFlash 2 drafter draws as `selector_draw` says (candidates: among its K candidates from softmax(score / T), as
+    the reference decoder does; vocabulary; unary: dflash.drafter.sampling.SelectorDraw) and applies top_p / top_k
+    to its draw only with selector_truncation=True.
     verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
     to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
     sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
@@ -120,6 +122,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         raise ValueError("tree='pairwise' builds the DDTree from DFlash 2's selector; this drafter is DFlash 1")
     verify_tree = verify_tree_sequence if target.tree_verification() == "sequence" else verify_tree_paths
 
+    draw = SelectorDraw(selector_draw, selector_truncation)
     stopped = False
     while len(ids) - prompt_len < max_new_tokens and ids[-1] not in stops and not stopped:
         p = len(ids) - 1
@@ -133,7 +136,10 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             tables = [t[0] for t in selector_tables(drafter.candidate_selector, hidden[:, 1:], logits[None],
                                                     anchor_token)]
         if tree_budget is None:
-            drafts, q = draft_chain(logits, tables, room - 1, rule, p, selector_truncation)
+            rescore = None
+            if tables is not None and draw.over == "vocabulary":  # a predecessor outside the candidates: rescored
+                rescore = functools.partial(slot_scores, drafter.candidate_selector, hidden[0, 1:], logits, tables[0])
+            drafts, q = draft_chain(logits, tables, room - 1, rule, p, draw, rescore)
             verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q)
         else:
             if tree == "pairwise":
@@ -171,36 +177,54 @@ def stop_strings_of(target, strings) -> StopStrings | None:
     return StopStrings(target.tokenizer, strings)
 
 
-def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int,
-                selector_truncation: bool = False) -> tuple[list[int], torch.Tensor | None]:
+def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int, draw: SelectorDraw | None = None,
+                rescore=None) -> tuple[list[int], torch.Tensor | None]:
     """The drafted chain of one block (at most `depth` tokens) and, for a rule that reads it, the distributions
     [depth, V] it was drawn from (else None).
 
     logits [S, V]: the drafter's slots 1..S; tables: DFlash 2's selector tables (cand, first, table) or None.
     The rule says how drafts are made (dflash.evaluate.rules): the argmax per slot (DFlash 2: the selector's best
-    walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform; DFlash 2
-    walks its selector, drawing each slot among the K candidates from softmax(score / T) after the previous draw
-    (the rule's top-p / top-k too with selector_truncation: `candidate_sampling`), q zero off the candidates.
+    walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform. DFlash 2
+    draws its chain slot by slot as `draw` says (dflash.drafter.sampling.SelectorDraw, default: among the K
+    candidates from softmax(score / T) after the previous draw, q zero off them). draw.over = "vocabulary" may
+    draw a token outside the previous slot's candidates, whose row the tables lack: rescore(slot, token) gives
+    the slot's candidate scores after any predecessor (`slot_scores`).
     """
     depth = max(0, min(depth, logits.shape[0]))
+    draw = draw or SelectorDraw()
     if depth == 0:
         return [], None
     if rule.greedy_drafts:
         return (walk_path(*tables, depth=depth) if tables is not None else logits[:depth].argmax(-1).tolist()), None
-    if tables is None:
-        q = probs(logits[:depth], rule.sampling)
+    if tables is None or draw.over == "unary":
+        q = probs(logits[:depth], rule.sampling if tables is None else draw.sampling(rule.sampling))
         return rule.draw_drafts(q, p + 1), (q if rule.reads_q else None)
-    rows, sampling = [], candidate_sampling(rule.sampling, selector_truncation)
+    cand, first, table = tables
+    rows = []
+    if draw.over == "vocabulary":
+        drafts = []
+        for s in range(depth):
+            scores = first
+            if s:  # after the previous draft: the tables' row when it is a candidate, else rescored
+                at = (cand[s - 1] == drafts[-1]).nonzero().flatten()
+                scores = table[s - 1, int(at[0])] if at.numel() else rescore(s, drafts[-1])
+            rows.append(selector_rows(draw, logits[s], scores, cand[s], rule.sampling))
+            drafts.append(rule.draw_drafts(rows[-1][None], p + 1 + s)[0])
+    else:
+        def pick(scores: torch.Tensor, s: int) -> int:
+            rows.append(selector_rows(draw, logits[s], scores, cand[s], rule.sampling))
+            return int((cand[s] == rule.draw_drafts(rows[-1][None], p + 1 + s)[0]).nonzero()[0])
 
-    def draw(scores: torch.Tensor, s: int) -> int:
-        rows.append(probs(scores, sampling))
-        return rule.draw_drafts(rows[-1][None], p + 1 + s)[0]
+        drafts = walk_path(cand, first, table, depth=depth, draw=pick)
+    return drafts, (torch.stack(rows) if rule.reads_q else None)
 
-    drafts = walk_path(*tables, depth=depth, draw=draw)
-    if not rule.reads_q:
-        return drafts, None
-    q = torch.zeros(depth, logits.shape[-1], device=logits.device).scatter_(-1, tables[0][:depth], torch.stack(rows))
-    return drafts, q
+
+def slot_scores(selector, hidden: torch.Tensor, logits: torch.Tensor, cand: torch.Tensor, slot: int,
+                prev: int) -> torch.Tensor:
+    """The selector's scores [K] of slot `slot`'s candidates after the predecessor token `prev` (any token): hidden
+    [S, H], logits [S, V] and cand [S, K] of the block's drafted slots."""
+    unary = logits[slot].gather(-1, cand[slot])
+    return selector.scores(hidden[slot], unary, cand[slot], torch.tensor(prev, device=cand.device))
 
 
 def draft_tree_pairwise(tables, budget: int, room: int) -> tuple[Tree, list[int]]:

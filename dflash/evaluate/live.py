@@ -83,7 +83,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
     knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-    selector = {"selector_truncation": cfg.selector_truncation}  # DFlash 2's draws among its candidates
+    selector = {"selector_draw": cfg.selector_draw, "selector_truncation": cfg.selector_truncation}  # DFlash 2's draws
     # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
     budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
                *[(b, "pairwise") for b in cfg.ddtree_budgets if drafter.candidate_selector is not None]]

@@ -144,8 +144,8 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     dist = current(job.train.collective_timeout_minutes)
     extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch.")}
     if job.eval.mode != "live" and job.eval.temperature > 0:  # live's summary records its own (with the verifier)
-        extra["sampling"] = {k: getattr(job.eval, k) for k in ("temperature", "top_p", "top_k", "selector_truncation",
-                                                                 "seed")}
+        extra["sampling"] = {k: getattr(job.eval, k) for k in ("temperature", "top_p", "top_k", "selector_draw",
+                                                                 "selector_truncation", "seed")}
     allowed = extra.setdefault("provenance_allowed", {})
     first = next(iter(drafters))
     tag = sampling_tag(job.eval)
@@ -230,15 +230,17 @@ def folder_name(label: str) -> str:
 
 
 def sampling_tag(cfg) -> str:
-    """'' at temperature 0; else t<T>[-p<top_p>][-k<top_k>][-sel]: the suffix of a sampled evaluation's folder
-    (eval/step-000768-t1/) and the namespace of the metrics it logs (eval/t1/tau_expected, eval/t1/live_tau), so a
-    greedy and a sampled evaluation of one checkpoint never share a curve or the run's best eval/tau. `-sel`: top-p /
-    top-k applied to DFlash 2's candidates too (eval.selector_truncation), another draft distribution."""
+    """'' at temperature 0; else t<T>[-p<top_p>][-k<top_k>][-sel][-vocabulary|-unary]: the suffix of a sampled
+    evaluation's folder (eval/step-000768-t1/) and the namespace of the metrics it logs (eval/t1/tau_expected,
+    eval/t1/live_tau), so a greedy and a sampled evaluation of one checkpoint never share a curve or the run's best
+    eval/tau. `-sel`: top-p / top-k applied to DFlash 2's draw too (eval.selector_truncation); `-vocabulary`,
+    `-unary`: DFlash 2 drawing over another set (eval.selector_draw); each another draft distribution."""
     if cfg.temperature <= 0:
         return ""
     truncated = cfg.top_p < 1 or cfg.top_k
-    return f"t{cfg.temperature:g}" + (f"-p{cfg.top_p:g}" if cfg.top_p < 1 else "") + (
-        f"-k{cfg.top_k}" if cfg.top_k else "") + ("-sel" if truncated and cfg.selector_truncation else "")
+    return (f"t{cfg.temperature:g}" + (f"-p{cfg.top_p:g}" if cfg.top_p < 1 else "")
+            + (f"-k{cfg.top_k}" if cfg.top_k else "") + ("-sel" if truncated and cfg.selector_truncation else "")
+            + ("" if cfg.selector_draw == "candidates" else f"-{cfg.selector_draw}"))
 
 
 def tagged(summary: dict, tag: str) -> dict:

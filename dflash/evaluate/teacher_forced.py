@@ -20,7 +20,7 @@ from dflash.data.prompts import conversation_id
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
-from dflash.drafter.sampling import Sampling, candidate_sampling, probs, stored_acceptance, stored_probs
+from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows, stored_acceptance, stored_probs
 from dflash.errors import CacheError
 from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth,
                                   walk, walk_variants)
@@ -51,6 +51,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     reads them all: dflash.evaluate.walk.expected_blocks)."""
     was_training = drafter.training
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    draw = SelectorDraw(cfg.selector_draw, cfg.selector_truncation)
     if not sampling.greedy and not getattr(eval_set, "topk_logits", 0):
         raise CacheError(f"eval.temperature={cfg.temperature}: the expected acceptance needs the target's next-token "
                          f"distributions, and this held-out set stores none (it was made for greedy evaluation); "
@@ -97,7 +98,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                     drafted, extra, tables, selected = dflash2_fields(selector, hidden, logits, blocks, target)
                 if stored is not None:
                     alpha, accept = (t.tolist() for t in slot_rates(logits, selected, stored, chunk, target, sampling,
-                                                                     cfg.selector_truncation))
+                                                                     draw))
                 correct, _ = block_correct(drafted.cpu(), target)
                 streak = metrics.streaks(correct).tolist()
                 draft_ids, top_ids, top_logp = drafted.tolist(), top.indices.tolist(), top.values.tolist()
@@ -130,7 +131,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
 
 
 def slot_rates(logits: torch.Tensor, selected: tuple | None, stored, anchors: torch.Tensor, target: torch.Tensor,
-               sampling: Sampling, selector_truncation: bool = False,
+               sampling: Sampling, draw: SelectorDraw | None = None,
                rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha, accept) [n, S] of each block's drafted slots under rejection sampling, 0 past the completion
     (target -1).
@@ -141,20 +142,19 @@ def slot_rates(logits: torch.Tensor, selected: tuple | None, stored, anchors: to
     top-k gets the smallest stored probability as p.
 
     logits [n, S, V]: the drafter's; selected: DFlash 2's (scores [n, S, K], candidates [n, S, K]), the
-    selector's scores over the unary top-K after the gold previous token (q then lives on those K candidates:
-    softmax(scores / T) as the reference draws, top-p / top-k too with selector_truncation,
-    dflash.drafter.sampling.candidate_sampling), else None; stored: the prompt's TopK (the
-    target's next-token distribution per position, on the host); anchors [n] (host). `rows` anchors at a time: q
-    is [rows, S, V]."""
+    selector's scores over the unary top-K after the gold previous token, drawn as `draw` says (the q live decoding
+    draws from after that token: dflash.drafter.sampling.selector_rows; default the reference's, among the K
+    candidates), else None; stored: the prompt's TopK (the target's next-token distribution per position, on the
+    host); anchors [n] (host). `rows` anchors at a time: q is [rows, S, V]."""
     n, S, V = logits.shape
-    alphas, ratios, among = [], [], candidate_sampling(sampling, selector_truncation)
+    alphas, ratios, draw = [], [], draw or SelectorDraw()
     for s in range(0, n, rows):
         part = logits[s: s + rows]
         if selected is None:
             q = probs(part, sampling)
         else:
             scores, cand = selected
-            q = torch.zeros_like(part).scatter_(-1, cand[s: s + rows], probs(scores[s: s + rows], among))
+            q = selector_rows(draw, part, scores[s: s + rows], cand[s: s + rows], sampling)
         # slot k of the block at anchor a is predicted by the target at position a + k - 1
         pos = (anchors[s: s + rows, None] + torch.arange(S)).clamp_max(stored.logprobs.shape[0] - 1)
         ids = stored.ids[pos].to(q.device)

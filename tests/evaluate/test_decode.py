@@ -153,7 +153,7 @@ def test_dflash2_draws_among_its_candidates_from_the_tempered_scores_alone_unles
     """At temperature > 0 the reference decoder draws a DFlash 2 slot from softmax(score / T) over the K candidates:
     top_p / top_k are not applied to them (they were: a top-p of 0.5 kept one or two candidates), unless
     selector_truncation asks for it; the drafts' q is the distribution they were drawn from either way."""
-    from dflash.drafter.sampling import Sampling, probs
+    from dflash.drafter.sampling import Sampling, SelectorDraw, probs
     from dflash.evaluate.decode import draft_chain
     from dflash.evaluate.rules import make_rule
 
@@ -166,5 +166,35 @@ def test_dflash2_draws_among_its_candidates_from_the_tempered_scores_alone_unles
     drafts, q = draft_chain(torch.randn(S, V, generator=g), (cand, first, table), S, rule, 5)
     assert torch.allclose(q[0, cand[0]], torch.softmax(first / 0.8, -1))
     assert (q[0] > 0).sum() == K and torch.allclose(q.sum(-1), torch.ones(S))
-    drafts, q = draft_chain(torch.randn(S, V, generator=g), (cand, first, table), S, rule, 5, selector_truncation=True)
+    drafts, q = draft_chain(torch.randn(S, V, generator=g), (cand, first, table), S, rule, 5, SelectorDraw(truncate=True))
     assert torch.allclose(q[0, cand[0]], probs(first, sampling)) and (q[0] > 0).sum() <= 2
+
+
+def test_dflash2_draws_over_the_vocabulary_or_its_unary_head_when_asked():
+    """eval.selector_draw: vocabulary draws slot 1 from softmax over every token of the unary logits with the K
+    candidates' entries replaced by their scores (nonzero everywhere); unary from the unary head alone, as DFlash
+    draws; a draft outside the previous slot's candidates is rescored, not read from the tables."""
+    from dflash.drafter.sampling import Sampling, SelectorDraw, probs
+    from dflash.evaluate.decode import draft_chain
+    from dflash.evaluate.rules import make_rule
+
+    g = torch.Generator().manual_seed(1)
+    S, K, V = 3, 2, 6
+    logits = torch.randn(S, V, generator=g)
+    cand = logits.topk(K, -1).indices
+    first, table = torch.randn(K, generator=g), torch.randn(S - 1, K, K, generator=g)
+    rule, seen = make_rule(Sampling(1.0), "rejection", seed=2), []
+
+    def rescore(slot, prev):
+        seen.append((slot, prev))
+        return torch.full((K,), float(prev))
+
+    for _ in range(40):
+        drafts, q = draft_chain(logits, (cand, first, table), S, rule, 0, SelectorDraw("vocabulary"), rescore)
+        assert torch.allclose(q[0], torch.softmax(logits[0].scatter(-1, cand[0], first), -1)) and (q[0] > 0).all()
+        if drafts[0] not in cand[0].tolist():  # the second slot's scores came from rescore, after that token
+            assert (1, drafts[0]) in seen and torch.allclose(q[1, cand[1]], torch.softmax(
+                logits[1].scatter(-1, cand[1], torch.full((K,), float(drafts[0]))), -1)[cand[1]])
+    assert seen  # some draws fell outside the candidates
+    drafts, q = draft_chain(logits, (cand, first, table), S, rule, 0, SelectorDraw("unary"))
+    assert torch.allclose(q, probs(logits, Sampling(1.0)))

@@ -3,8 +3,8 @@
 Each test draws thousands of short continuations and compares their empirical distribution with the target's
 exact one (enumerated from its logits) by Pearson's chi-square test: cells whose expected count is under 5 are
 pooled into one, and a test fails when its p-value is below ALPHA = 1e-3. That is each test's false-alarm rate
-for a correct decoder (the seeds are fixed, so a given run either passes or fails for good); over the 15 tests
-here that pass, the chance of any false alarm is at most 1.5%. Broken verifiers (the rejected draft's residual
+for a correct decoder (the seeds are fixed, so a given run either passes or fails for good); over the 17 tests
+here that pass, the chance of any false alarm is at most 1.7%. Broken verifiers (the rejected draft's residual
 replaced by p, the drafts verified against a q other than the one they were drawn from, a tree node that does not
 remove a rejected child) must fail the same test at the same sample size.
 
@@ -25,7 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import dflash.evaluate.rules as rules
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.build import build_drafter
-from dflash.drafter.sampling import Sampling, acceptance, probs
+from dflash.drafter.sampling import Sampling, SelectorDraw, acceptance, probs
 from dflash.evaluate.decode import draft_chain, draft_tree, draft_tree_pairwise, speculative_generate
 from dflash.evaluate.rules import make_rule
 from dflash.evaluate.verify import _walk
@@ -68,6 +68,12 @@ class Markov:
         self.first = unary[:, 0] + 0.5 * torch.randn(V, K, generator=g)
         self.table = unary[:, 1:, None, :] + 0.5 * torch.randn(V, B - 2, K, K, generator=g)
 
+    def rescore(self, anchor: int, slot: int, prev: int) -> torch.Tensor:
+        """The selector's scores [K] at `slot` after a predecessor outside the previous slot's candidates (drawn
+        over the vocabulary): the unary scores shifted by a function of that token."""
+        return self.draft_logits[anchor, slot].gather(-1, self.cand[anchor, slot]) + 0.4 * torch.cos(
+            torch.arange(K) + prev)
+
     def exact(self, sampling: Sampling, start: int) -> dict[tuple, float]:
         step = probs(self.logits, sampling)
         out = {}
@@ -85,9 +91,12 @@ class Markov:
         while len(ids) - 1 < L:
             p, anchor = len(ids) - 1, ids[-1]
             room = L - (len(ids) - 1)
-            tables = (self.cand[anchor], self.first[anchor], self.table[anchor]) if how in ("dflash2", "pair") else None
-            if how in ("chain", "dflash2"):
-                drafts, q = draft_chain(self.draft_logits[anchor], tables, room - 1, rule, p)
+            tables = ((self.cand[anchor], self.first[anchor], self.table[anchor]) if how.startswith(("dflash2", "pair"))
+                      else None)
+            if how == "chain" or how.startswith("dflash2"):
+                draw = SelectorDraw(how.partition("-")[2] or "candidates")
+                drafts, q = draft_chain(self.draft_logits[anchor], tables, room - 1, rule, p, draw,
+                                        lambda s, prev, a=anchor: self.rescore(a, s, prev))
                 a, bonus = rule.chain(self.logits[[anchor] + drafts], p + 1, drafts, q)
                 accepted = drafts[:a]
             else:
@@ -118,6 +127,8 @@ CASES = [
     ("chain", Sampling(1.3, top_k=3)),
     ("dflash2", Sampling(1.0)),
     ("dflash2", Sampling(0.7, top_k=2)),
+    ("dflash2-vocabulary", Sampling(1.0)),
+    ("dflash2-unary", Sampling(0.8, top_p=0.9)),
     ("tree", Sampling(1.0)),
     ("tree", Sampling(0.8, top_p=0.8)),
     ("pair", Sampling(1.0)),

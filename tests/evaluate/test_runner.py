@@ -502,3 +502,4 @@ def test_the_sampling_tag_names_a_truncated_selector_apart():
     assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9, selector_truncation=True)) == "t1-p0.9-sel"
     assert sampling_tag(EvalConfig(temperature=1.0, selector_truncation=True)) == "t1"
     assert sampling_tag(EvalConfig(selector_truncation=True)) == ""
+    assert sampling_tag(EvalConfig(temperature=0.6, selector_draw="vocabulary")) == "t0.6-vocabulary"

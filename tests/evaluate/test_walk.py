@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.dist import Dist
-from dflash.drafter.sampling import Sampling, probs
+from dflash.drafter.sampling import Sampling, SelectorDraw, probs
 from dflash.evaluate import heldout
 from dflash.evaluate.decode import draft_chain, speculative_generate
 from dflash.evaluate.rules import make_rule
@@ -272,8 +272,14 @@ class MarkovPair:
     with `tables` (per anchor token: candidates [S, K], first [K], table [S-1, K, K]) the drafter is DFlash 2's
     selector over those candidates."""
 
-    def __init__(self, logits, draft, tables=None):
-        self.logits, self.draft, self.tables = logits, draft, tables
+    def __init__(self, logits, draft, tables=None, draw=None):
+        self.logits, self.draft, self.tables, self.draw = logits, draft, tables, draw or SelectorDraw()
+
+    def rescore(self, anchor: int, slot: int, prev: int) -> torch.Tensor:
+        """Slot `slot`'s candidate scores after a predecessor outside the previous slot's candidates (a draw over
+        the vocabulary can give one): the unary scores shifted by a function of that token."""
+        cand = self.tables[anchor][0][slot]
+        return self.draft[anchor, slot].gather(-1, cand) + 0.4 * torch.cos(torch.arange(len(cand)) + prev)
 
     def live_blocks(self, rule, n: int) -> int:
         """Blocks live decoding takes to write n tokens after token 0 (the prefill's token the first of them)."""
@@ -281,7 +287,8 @@ class MarkovPair:
         while len(ids) - 1 < n:
             p, anchor, room = len(ids) - 1, ids[-1], n - (len(ids) - 1)
             tables = None if self.tables is None else self.tables[anchor]
-            drafts, q = draft_chain(self.draft[anchor], tables, room - 1, rule, p)
+            drafts, q = draft_chain(self.draft[anchor], tables, room - 1, rule, p, self.draw,
+                                    lambda slot, prev, a=anchor: self.rescore(a, slot, prev))
             accepted, bonus = rule.chain(self.logits[[anchor] + drafts], p + 1, drafts, q)
             ids += drafts[:accepted] + [bonus]
             blocks += 1
@@ -310,13 +317,14 @@ class MarkovPair:
                 cand, first, table = self.tables[x[a]]
                 rows = [first]
                 for k in range(1, S):
-                    hit = (cand[k - 1] == (x[a + k] if a + k < n else -1)).nonzero().flatten()
-                    rows.append(table[k - 1, int(hit[0])] if len(hit) else torch.zeros_like(first))
+                    prev = x[a + k] if a + k < n else 0
+                    hit = (cand[k - 1] == prev).nonzero().flatten()
+                    rows.append(table[k - 1, int(hit[0])] if len(hit) else self.rescore(x[a], k, prev))
                 scores.append(torch.stack(rows))
                 cands.append(cand)
             selected = (torch.stack(scores), torch.stack(cands))
         logits = self.draft[xs[:-1]]
-        alpha, accept = slot_rates(logits, selected, stored, torch.arange(n - 1), target, sampling)
+        alpha, accept = slot_rates(logits, selected, stored, torch.arange(n - 1), target, sampling, self.draw)
         drafts = logits.argmax(-1)
         return {a: record(a, target[a].tolist(), drafts[a].tolist(), left=n - 1 - a, room=10**6, prompt_id=pid,
                           walk_start=a == 0, all_anchors=a == 0, alpha=alpha[a].tolist(), accept=accept[a].tolist())
@@ -331,7 +339,7 @@ def counterexample() -> MarkovPair:
     return MarkovPair(torch.zeros(2, 2), draft)
 
 
-def random_pair(seed: int, V: int = 4, S: int = 3, K: int | None = None) -> MarkovPair:
+def random_pair(seed: int, V: int = 4, S: int = 3, K: int | None = None, draw: str = "candidates") -> MarkovPair:
     """A random Markov target and a drafter near its k-step marginals after each anchor token; K: DFlash 2's
     selector over the drafter's top-K per slot, its scores the unary ones plus noise."""
     g = torch.Generator().manual_seed(seed)
@@ -346,7 +354,7 @@ def random_pair(seed: int, V: int = 4, S: int = 3, K: int | None = None) -> Mark
     unary, cand = draft.topk(K, -1)
     tables = [(cand[a], unary[a, 0] + 0.5 * torch.randn(K, generator=g),
                unary[a, 1:, None, :] + 0.5 * torch.randn(S - 1, K, K, generator=g)) for a in range(V)]
-    return MarkovPair(logits, draft, tables)
+    return MarkovPair(logits, draft, tables, SelectorDraw(draw))
 
 
 def clipped_reach_weights(record: dict, depth: int) -> list[float]:
@@ -379,6 +387,7 @@ EXPECTED_CASES = [
     ("random", lambda: random_pair(0), Sampling(1.0)),
     ("random-t0.7-top-p", lambda: random_pair(1), Sampling(0.7, top_p=0.9)),
     ("dflash2-top-p", lambda: random_pair(2, K=3), Sampling(0.9, top_p=0.8)),
+    ("dflash2-vocabulary", lambda: random_pair(4, K=2, draw="vocabulary"), Sampling(1.0)),
 ]
 
 
