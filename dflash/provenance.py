@@ -97,7 +97,7 @@ def features_manifest(target, layer_ids: list[int], storage: str, max_length: in
     """The provenance manifest of features computed now by `target` (DESIGN §3). topk_logits: k > 0 when the
     shards also hold the target's top-k next-token log-probabilities (the key is absent otherwise, as in
     caches made before it existed). `sharding` records how the target was laid out over devices; `layout` (only
-    where that makes other features: `layout`) is guarded. `quantization` records the checkpoint's quantization
+    where the sharding makes features other than the unsharded target's: `layout()`) is guarded. `quantization` records the checkpoint's quantization
     (dflash.target.quantization.record; None: unquantized); `quantized` (only for a quantized target) is guarded."""
     report = backend_report(target)
     kept, quant = layout(target), quantized(target)
