@@ -161,6 +161,11 @@ class EvalConfig:
     (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the unary
     logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
     unary (the unary head alone, DFlash's drafting). Recorded in summary.json and the metrics' namespace."""
+    selector_beam: int = 1
+    """DFlash 2 at temperature 0: beside its greedy walk, draft the chain a beam of this width finds over the
+    selector's pairwise scores (the path of the largest expected accepted length under its own probabilities,
+    dflash.drafter.dflash2.beam_path): reported as eval/tau_beam (teacher-forced) and eval/live_beam_* (live),
+    at the greedy chain's verify cost; 1 = none."""
     selector_truncation: bool = False
     """DFlash 2 at temperature > 0: apply top_p / top_k to its draw too. Off (the default) draws from softmax(score /
     temperature), as the z-lab reference decoder does, so that acceptance compares with its; on is an extra,
@@ -237,6 +242,7 @@ class EvalConfig:
         positive("eval.temperature", self.temperature, allow_zero=True)
         one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
         one_of("eval.selector_draw", self.selector_draw, set(SELECTOR_DRAWS))
+        positive("eval.selector_beam", self.selector_beam)
         one_of("eval.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
         one_of("eval.turns", self.turns, {"all", "first"})
         if not 0 < self.top_p <= 1:

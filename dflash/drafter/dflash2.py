@@ -192,6 +192,34 @@ def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, dept
     return cand[torch.arange(S), torch.tensor(idx, device=cand.device)].tolist()
 
 
+def beam_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, depth: int | None = None,
+              width: int = 4) -> list[int]:
+    """The selector's chain for one block chosen by a beam over its pairwise scores: of the paths through the
+    slots' candidates, the one with the largest expected accepted length under the selector's own probabilities,
+    sum_k prod_{i<=k} q_i (q_i the softmax of slot i's scores after the path's token at slot i-1), searched `width`
+    paths at a time. Width 1 is the greedy walk (`walk_path`: the largest q at each slot also grows that sum the
+    most); a wider beam may give up a likelier first slot for a path whose later slots hold up.
+
+    cand [S, K], first [K], table [S-1, K, K] (one block of `selector_tables`, raw or log-softmaxed scores: only
+    their softmax is read); depth: slots to draft (default all S)."""
+    S = cand.shape[0] if depth is None else min(depth, cand.shape[0])
+    if S <= 0:
+        return []
+    K = cand.shape[1]
+    reach = torch.softmax(first.float(), -1)  # P(the path's first k slots all right), per candidate
+    order = reach.argsort(descending=True, stable=True)[:width]
+    paths, reach = order[:, None], reach[order]
+    expected = reach.clone()
+    step = torch.softmax(table.float(), -1)  # [S-1, K, K]: q of each candidate after each previous candidate
+    for s in range(1, S):
+        grown = reach[:, None] * step[s - 1][paths[:, -1]]  # [W, K]
+        score = (expected[:, None] + grown).flatten()
+        keep = score.argsort(descending=True, stable=True)[:width]
+        paths = torch.cat([paths[keep // K], (keep % K)[:, None]], 1)
+        reach, expected = grown.flatten()[keep], score[keep]
+    return cand[torch.arange(S, device=cand.device), paths[0]].tolist()
+
+
 def selector_tables(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor,
                     anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(candidates [b, S, K], first [b, K], table [b, S-1, K, K]) of blocks' drafted slots: hidden [b, S, H],

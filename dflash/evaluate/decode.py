@@ -25,7 +25,7 @@ import torch
 from dflash.data.stops import StopStrings
 from dflash.drafter.blocks import draft_block
 from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
-from dflash.drafter.dflash2 import selector_tables, walk_path
+from dflash.drafter.dflash2 import beam_path, selector_tables, walk_path
 from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows
 from dflash.evaluate.rules import Rule, make_rule, plain_sample
 from dflash.evaluate.states import new_cache, settle
@@ -79,7 +79,8 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
                          tree_budget: int | None = None, stop_token_ids: list[int] | None = None,
                          seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
                          verifier: str = "rejection", stop_strings: list[str] | None = None,
-                         selector_draw: str = "candidates", selector_truncation: bool = False) -> SpecResult:
+                         selector_draw: str = "candidates", selector_truncation: bool = False,
+                         selector_beam: int = 1) -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -92,7 +93,8 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling), but
     a DFlash 2 drafter draws as `selector_draw` says (candidates: among its K candidates from softmax(score / T), as
     the reference decoder does; vocabulary; unary: dflash.drafter.sampling.SelectorDraw) and applies top_p / top_k
-    to its draw only with selector_truncation=True.
+    to its draw only with selector_truncation=True. selector_beam > 1: a DFlash 2 drafter's greedy chain is the one a
+    beam of that width finds over its pairwise scores (dflash.drafter.dflash2.beam_path), not its greedy walk.
     verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
     to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
     sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
@@ -139,7 +141,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             rescore = None
             if tables is not None and draw.over == "vocabulary":  # a predecessor outside the candidates: rescored
                 rescore = functools.partial(slot_scores, drafter.candidate_selector, hidden[0, 1:], logits, tables[0])
-            drafts, q = draft_chain(logits, tables, room - 1, rule, p, draw, rescore)
+            drafts, q = draft_chain(logits, tables, room - 1, rule, p, draw, rescore, selector_beam)
             verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q)
         else:
             if tree == "pairwise":
@@ -178,7 +180,7 @@ def stop_strings_of(target, strings) -> StopStrings | None:
 
 
 def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int, draw: SelectorDraw | None = None,
-                rescore=None) -> tuple[list[int], torch.Tensor | None]:
+                rescore=None, beam: int = 1) -> tuple[list[int], torch.Tensor | None]:
     """The drafted chain of one block (at most `depth` tokens) and, for a rule that reads it, the distributions
     [depth, V] it was drawn from (else None).
 
@@ -188,14 +190,17 @@ def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int, dr
     draws its chain slot by slot as `draw` says (dflash.drafter.sampling.SelectorDraw, default: among the K
     candidates from softmax(score / T) after the previous draw, q zero off them). draw.over = "vocabulary" may
     draw a token outside the previous slot's candidates, whose row the tables lack: rescore(slot, token) gives
-    the slot's candidate scores after any predecessor (`slot_scores`).
+    the slot's candidate scores after any predecessor (`slot_scores`). beam > 1: DFlash 2's greedy chain is the
+    beam's (dflash.drafter.dflash2.beam_path) instead of its greedy walk.
     """
     depth = max(0, min(depth, logits.shape[0]))
     draw = draw or SelectorDraw()
     if depth == 0:
         return [], None
     if rule.greedy_drafts:
-        return (walk_path(*tables, depth=depth) if tables is not None else logits[:depth].argmax(-1).tolist()), None
+        if tables is None:
+            return logits[:depth].argmax(-1).tolist(), None
+        return (beam_path(*tables, depth=depth, width=beam) if beam > 1 else walk_path(*tables, depth=depth)), None
     if tables is None or draw.over == "unary":
         q = probs(logits[:depth], rule.sampling if tables is None else draw.sampling(rule.sampling))
         return rule.draw_drafts(q, p + 1), (q if rule.reads_q else None)

@@ -62,15 +62,23 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
                         f"decoding loop is not lossless: this is a bug, please report it")
 
 
+def verifier_args(budget, tree: str, beam: int) -> dict:
+    """speculative_generate's arguments for one of live_eval's verifiers (tree budget or None, tree kind or "beam":
+    DFlash 2's chain from a beam of width `beam`)."""
+    return {"tree_budget": budget, "tree": "marginal" if tree == "beam" else tree,
+            "selector_beam": beam if tree == "beam" else 1}
+
+
 def warm_up(drafter, target: Target, ids: torch.Tensor, tokens: int, verifiers: list[tuple], verifier: str,
-            **knobs) -> None:
+            beam: int = 1, **knobs) -> None:
     """Decode `ids` for `tokens` tokens plainly and by each (tree budget, tree) of `verifiers`, discarding the
     output: the first forwards of a process pay the kernels' compiles and autotuning (on an H200, fla's autotuning
     made a hybrid target's first forward 45 s and its first live decoding 14.5 s against 1.9 s for the next), which
     the timed decoding after it then does not count."""
     greedy_generate(target, ids, tokens, **knobs)
     for budget, tree in verifiers:
-        speculative_generate(drafter, target, ids, tokens, tree_budget=budget, tree=tree, verifier=verifier, **knobs)
+        speculative_generate(drafter, target, ids, tokens, verifier=verifier, **verifier_args(budget, tree, beam),
+                             **knobs)
 
 
 def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
@@ -85,8 +93,11 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
     selector = {"selector_draw": cfg.selector_draw, "selector_truncation": cfg.selector_truncation}  # DFlash 2's draws
     # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
+    # and, with eval.selector_beam > 1, the chain a beam over them finds
+    dflash2 = drafter.candidate_selector is not None
     budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
-               *[(b, "pairwise") for b in cfg.ddtree_budgets if drafter.candidate_selector is not None]]
+               *([(None, "beam")] if dflash2 and cfg.selector_beam > 1 else []),
+               *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
@@ -99,7 +110,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
 
     if cfg.warmup_tokens and prompts:
         warm_up(drafter, target, request(prompts[0], 0, []), min(cfg.warmup_tokens, cfg.max_new_tokens), budgets,
-                cfg.verifier, seed=cfg.seed, **knobs)
+                cfg.verifier, cfg.selector_beam, seed=cfg.seed, **knobs)
     progress = Progress(sum(turns), "live eval", "requests")
     for n, prompt in enumerate(prompts):
         answers = []  # the conversation's earlier answers: what the drafted chain decoded (the reference's way)
@@ -113,9 +124,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             plain_time += time.perf_counter() - t0
             for budget, tree in budgets:
                 t0 = time.perf_counter()
-                res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, tree_budget=budget,
-                                           stop_token_ids=stops, stop_strings=strings, seed=seed, tree=tree,
-                                           verifier=cfg.verifier, **knobs, **selector)
+                res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, stop_token_ids=stops,
+                                           stop_strings=strings, seed=seed, verifier=cfg.verifier,
+                                           **verifier_args(budget, tree, cfg.selector_beam), **knobs, **selector)
                 tot = totals[budget, tree]
                 tot["time"] += time.perf_counter() - t0
                 if compared:
@@ -139,8 +150,8 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                "eval/live_ties": ties,
                "eval/live_tokens": totals[None, "marginal"]["tokens"]}
     for (budget, tree), tot in totals.items():
-        prefix = ("eval/live_" if budget is None else f"eval/live_ddtree@{budget}_" if tree == "marginal" else
-                  f"eval/live_ddtree_pair@{budget}_")
+        prefix = ("eval/live_beam_" if tree == "beam" else "eval/live_" if budget is None else
+                  f"eval/live_ddtree@{budget}_" if tree == "marginal" else f"eval/live_ddtree_pair@{budget}_")
         metrics.update({
             f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
             f"{prefix}tau_se": ratio_se(tot["per_prompt"]),

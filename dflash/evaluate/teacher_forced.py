@@ -20,6 +20,7 @@ from dflash.data.prompts import conversation_id
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
+from dflash.drafter.dflash2 import beam_path
 from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows, stored_acceptance, stored_probs
 from dflash.errors import CacheError
 from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth,
@@ -114,6 +115,10 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                     if selector is not None:
                         by_anchor[p].update({k: v[j] for k, v in extra.items()})
                         by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
+                        if cfg.selector_beam > 1:  # as deep as live decoding drafts there: the beam depends on it
+                            by_anchor[p]["beam_tokens"] = beam_path(*map(torch.tensor, tables[j]),
+                                                                    depth=verify_depth(by_anchor[p]),
+                                                                    width=cfg.selector_beam)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
         walked = range(start, min(length - 1, start + cfg.max_new_tokens - 1))  # anchors live decoding can reach
@@ -121,7 +126,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
         for p in sampled.tolist():
             by_anchor[p]["all_anchors"] = True
         if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
-            for variant in walk_variants(cfg.ddtree_budgets, selector is not None):
+            for variant in walk_variants(cfg.ddtree_budgets, selector is not None, cfg.selector_beam > 1):
                 walk(by_anchor, start, variant, missing=lambda p: draft(list(range(p, min(p + B, length - 1)))))
         records += [by_anchor[p] for p in sorted(by_anchor)]
         progress.update()
@@ -265,7 +270,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         start = next((a for a, r in by_anchor.items() if r.get("walk_start")), None)
         if start is None:  # records of an older evaluation: no walk
             continue
-        for variant in walk_variants(budgets, dflash2):
+        for variant in walk_variants(budgets, dflash2, "beam_tokens" in records[0]):
             steps = walk(by_anchor, start, variant)
             for _, tau in steps:
                 rows.append((pid, {"tau": float(tau), "full": float(tau == block_size)} if variant is None else

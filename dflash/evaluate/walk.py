@@ -16,8 +16,9 @@ cached completion longer than eval.max_new_tokens is walked only as far as live 
 
 A walk follows one verifier (`variant`): None, the drafted chain (DFlash 2: the selector's path); an int N,
 the DDTree of N nodes from the per-slot marginals; and for DFlash 2 records "unary" (the argmax chain),
-"oracle" (gold inside the unary top-K at every slot: the selector's ceiling) and "pair@N" (the DDTree of
-N nodes from the selector's pairwise scores, whose accepted length the record carries).
+"oracle" (gold inside the unary top-K at every slot: the selector's ceiling), "beam" (the chain a beam over the
+selector's pairwise scores finds, eval.selector_beam) and "pair@N" (the DDTree of N nodes from the selector's
+pairwise scores, whose accepted length the record carries).
 """
 
 from __future__ import annotations
@@ -35,19 +36,19 @@ def span(record: dict) -> int:
     return min(record["left"], record["room"])
 
 
-CHAINS = {None: "draft_tokens", "unary": "unary_tokens", "oracle": "oracle_tokens"}
+CHAINS = {None: "draft_tokens", "unary": "unary_tokens", "oracle": "oracle_tokens", "beam": "beam_tokens"}
 
 
-def walk_variants(budgets: list[int], dflash2: bool) -> list:
+def walk_variants(budgets: list[int], dflash2: bool, beam: bool = False) -> list:
     """The verifiers a record set is walked with: the chain and each DDTree budget; DFlash 2 adds the unary and
-    oracle chains and the pairwise DDTree per budget."""
-    extra = ["unary", "oracle", *[f"pair@{b}" for b in budgets]] if dflash2 else []
+    oracle chains, the pairwise DDTree per budget and, with eval.selector_beam > 1, the beam's chain."""
+    extra = ["unary", "oracle", *(["beam"] if beam else []), *[f"pair@{b}" for b in budgets]] if dflash2 else []
     return [None, *budgets, *extra]
 
 
 def variant_key(variant, suffix: str = "") -> str:
-    """The metric name of a walk: tau, ddtree@N, tau_unary, tau_oracle, ddtree_pair@N (+ suffix)."""
-    if variant is None or variant in ("unary", "oracle"):
+    """The metric name of a walk: tau, ddtree@N, tau_unary, tau_oracle, tau_beam, ddtree_pair@N (+ suffix)."""
+    if variant is None or variant in ("unary", "oracle", "beam"):
         return "tau" + ("" if variant is None else f"_{variant}") + suffix
     if isinstance(variant, str):
         return f"ddtree_{variant}{suffix}"

@@ -49,10 +49,10 @@ def test_a_dflash2_run_trains_both_parts_and_evaluates_its_selector(workdir):
 
     job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3", f"run.root={workdir}/runs", "run.name=d2",
                                *overrides, "checkpoint=latest", "eval=live", "eval.ddtree_budgets=[4]",
-                               "eval.max_prompts=2", "eval.max_new_tokens=24",
+                               "eval.max_prompts=2", "eval.max_new_tokens=24", "eval.selector_beam=3",
                                f"features.dir={workdir}/cache/tiny_qwen3/tiny/features"])
     live = evaluate(job)  # check_lossless raises on any divergence
-    for key in ("eval/live_tau", "eval/live_ddtree@4_tau", "eval/live_ddtree_pair@4_tau",
+    for key in ("eval/live_tau", "eval/live_ddtree@4_tau", "eval/live_ddtree_pair@4_tau", "eval/live_beam_tau",
                 "eval/live_tokens_per_forward"):
         assert key in live, key
 
