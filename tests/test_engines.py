@@ -92,3 +92,16 @@ def test_each_vllm_export_is_a_config_train_py_takes(name, dflash_home):
     types = job.drafter.resolved_layer_types()
     assert {"full": "full_attention" in types and len(set(types)) == 1, "sliding": set(types) == {"sliding_attention"},
             "mixed": len(set(types)) == 2, "dflash2": job.drafter.kind == "dflash2"}[name]
+
+
+def test_vllm_cpu_workers_each_get_their_share_of_the_cores(monkeypatch):
+    """vLLM's CPU build binds a NUMA node per tensor-parallel worker and stops with fewer nodes than workers:
+    vllm_extract.py hands each worker its cores instead (imported here: its top imports the standard library only)."""
+    from bench.engines import vllm_extract
+
+    monkeypatch.setattr(vllm_extract.os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4})
+    assert vllm_extract.cpu_binding(2) == "0,1|2,3"
+    assert vllm_extract.cpu_binding(1) == "0,1,2,3,4"
+    with pytest.raises(SystemExit, match="tensor_parallel=8 CPU workers need a core each; 5 here"):
+        vllm_extract.cpu_binding(8)
+

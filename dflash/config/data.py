@@ -110,9 +110,44 @@ class DataConfig:
             raise ConfigError(f"data.max_length={self.max_length} is too short for prompt + response")
 
 
+ENGINE_OWNED = ("model", "dtype", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
+                "tensor_parallel_size", "enable_expert_parallel", "kv_transfer_config", "speculative_config")
+"""vllm.LLM arguments features.source=vllm sets itself: extraction rests on them (or they have keys of their own)."""
+
+
+@dataclass
+class VllmFeaturesConfig:
+    """How extract.py runs vLLM for features.source=vllm (dflash.data.vllm_features)."""
+
+    python: str = ".venv-engines/vllm/bin/python"
+    """The python of a venv with vLLM installed (never dflash's own: `make .venv-engines/vllm/.installed` builds
+    vLLM's CPU build beside it); a relative path is taken from the working directory."""
+    tensor_parallel: int = 1
+    """vLLM's tensor_parallel_size: the target sharded over this many devices (processes on a CPU)."""
+    expert_parallel: bool = False
+    """vLLM's enable_expert_parallel: a mixture-of-experts target's experts spread over the tensor-parallel
+    devices instead of each expert sharded."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of vllm.LLM, as they are (recorded in the manifest): e.g. {gpu_memory_utilization:
+    0.9, enforce_eager: false}. Defaults: enforce_eager true, max_num_batched_tokens the longest sequence + 1."""
+
+    def __post_init__(self) -> None:
+        positive("features.vllm.tensor_parallel", self.tensor_parallel)
+        owned = sorted(set(self.engine_args) & set(ENGINE_OWNED))
+        if owned:
+            raise ConfigError(f"features.vllm.engine_args sets {owned}, which features.source=vllm sets itself "
+                              f"(target.*, data.max_length, features.vllm.tensor_parallel/expert_parallel, or what "
+                              f"extraction rests on); remove them")
+
+
 @dataclass
 class FeaturesConfig:
     """The on-disk cache of target features (written by extract.py, read by offline training)."""
+
+    source: str = "hf"
+    """What computes the features: hf (the target loaded with transformers, in this process) or vllm (vLLM's
+    extract_hidden_states method, in the venv of features.vllm.python; offline extraction only)."""
+    vllm: VllmFeaturesConfig = field(default_factory=VllmFeaturesConfig)
 
     dir: str = MISSING
     """Cache directory (holds manifest.json and shards)."""
@@ -129,6 +164,10 @@ class FeaturesConfig:
     vocabulary."""
 
     def __post_init__(self) -> None:
+        one_of("features.source", self.source, {"hf", "vllm"})
+        if self.source == "vllm" and self.topk_logits:
+            raise ConfigError("features.topk_logits needs the target's logits, which vLLM's hidden-state extraction "
+                              "does not give: set features.topk_logits=0 or features.source=hf")
         one_of("features.storage", self.storage, {"bfloat16", "float8_e4m3fn", "float32"})
         positive("features.topk_logits", self.topk_logits, allow_zero=True)
         positive("features.shard_sequences", self.shard_sequences)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import DataConfig, FeaturesConfig, JobConfig
+from dflash.config import ConfigError, DataConfig, FeaturesConfig, JobConfig
 from dflash.data import cache as fcache
 from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.sequences import Prepared, prepare_sequences
@@ -86,6 +86,10 @@ def training_prompts(data: DataConfig) -> list[Prompt]:
 
 def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
     """The training sequences of `job`: data.prompts with the target's completions."""
+    if job.features.source == "vllm" and job.train.mode == "online":  # online training computes them in-process
+        raise ConfigError("features.source=vllm extracts a feature cache (extract.py, or train.mode=offline); "
+                          "train.mode=online computes the features with the target in this process: set "
+                          "features.source=hf or train.mode=offline")
     data = job.data
     prompts = training_prompts(data)
     return prepare_sequences(prompts, data.prompts, target, data.completions, completions_store(data, job.features),
@@ -95,8 +99,14 @@ def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
 
 
 def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
-    """Training sequences and their features into job.features.dir, with an already-loaded target."""
+    """Training sequences and their features into job.features.dir, with an already-loaded target (for
+    features.source=vllm its heads and tokenizer are enough, unless it generates the completions)."""
     prepared = prepare_training(job, target, dist)
+    if job.features.source == "vllm":
+        from dflash.data.vllm_features import extract_features_vllm
+
+        return extract_features_vllm(target, job.target, resolve_layer_ids(job.layers, target.num_layers), prepared,
+                                     Path(job.features.dir), dist, job.features, job.data.max_length)
     return extract_features(target, resolve_layer_ids(job.layers, target.num_layers), prepared,
                             Path(job.features.dir), dist, storage=job.features.storage,
                             shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
@@ -110,7 +120,8 @@ def extract(job: JobConfig) -> dict:
 
     setup_logging()
     dist = dist_mod.current(job.train.collective_timeout_minutes)
-    target = load_target(job.target)
+    # vLLM runs the target in its own venv: here its heads and tokenizer name it, unless it generates completions
+    target = load_target(job.target, heads_only=job.features.source == "vllm" and job.data.completions.source != "hf")
     t0 = time.time()
     manifest = extract_training(job, target, dist)
     if dist.is_main:
