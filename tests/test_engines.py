@@ -105,3 +105,9 @@ def test_vllm_cpu_workers_each_get_their_share_of_the_cores(monkeypatch):
     with pytest.raises(SystemExit, match="tensor_parallel=8 CPU workers need a core each; 5 here"):
         vllm_extract.cpu_binding(8)
 
+
+def test_make_engines_runs_the_vllm_features_check_with_the_vllm_venv():
+    from bench.engines import __main__ as engines
+
+    module, python, _, breaks = engines.CHECKS["vllm_features"]
+    assert module.__name__ == "bench.engines.vllm_features_check" and python == "vllm_python" and breaks == "layer_ids"

@@ -2,6 +2,8 @@
 
 - vllm_check: vLLM's CPU build serves drafters train.py trained, equal to our live evaluation
   (vllm_serve.py is what runs in the vLLM venv).
+- vllm_features_check: extract.py with features.source=vllm (vLLM's extract_hidden_states, run by vllm_extract.py
+  with the CPU connector shim of vllm_hidden_states.py) equals transformers' features, recorded and kept apart.
 - fla_check: extraction through the fla kernels (Triton's interpreter, with the fixes of triton_fixes.py),
   recorded as such, equal to the PyTorch fallback's within tolerance, and never mixed with it.
 - pins: the engine versions these checks were verified with.

@@ -16,7 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench.engines import REPO, fla_check, pins, vllm_check
+from bench.engines import REPO, fla_check, pins, vllm_check, vllm_features_check
+
+
+CHECKS = {"vllm": (vllm_check, "vllm_python", "vllm", "layer_ids"),
+          "vllm_features": (vllm_features_check, "vllm_python", "vllm-features", "layer_ids"),
+          "fla": (fla_check, "fla_python", "fla", "backend")}
+"""name: (module, the argument naming its venv's python, its folder under build/engines, the --break it takes)."""
 
 
 def main() -> None:
@@ -24,10 +30,10 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="python of the vLLM venv")
     parser.add_argument("--fla-python", required=True, help="python of the fla venv")
     parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-cpu<cores>-engines.json)")
-    parser.add_argument("--only", choices=["vllm", "fla"], help="run one check")
+    parser.add_argument("--only", choices=list(CHECKS), help="run one check")
     parser.add_argument("--break", dest="broken", choices=["layer_ids", "backend"],
-                        help="a deliberate break: layer_ids (vLLM is handed shifted target_layer_ids) or backend "
-                             "(the fla side reports the fallback's kernels)")
+                        help="a deliberate break: layer_ids (vLLM is handed shifted target_layer_ids, and shifted "
+                             "layer ids to extract) or backend (the fla side reports the fallback's kernels)")
     args = parser.parse_args()
     from bench.run import machine
 
@@ -35,18 +41,13 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "break": args.broken,
               "pins": {venv: pinned for venv, pinned in pins.PINNED.items()}, "checks": {}}
     verdicts = []
-    if args.only in (None, "vllm"):
-        out = vllm_check.check(args.vllm_python, REPO / "build" / "engines" / "vllm",
-                               args.broken if args.broken == "layer_ids" else None)
-        result["checks"]["vllm"] = out
-        verdicts.append(vllm_check.verdict(out))
-        print(verdicts[-1], flush=True)
-    if args.only in (None, "fla"):
-        out = fla_check.check(args.fla_python, REPO / "build" / "engines" / "fla",
-                              args.broken if args.broken == "backend" else None)
-        result["checks"]["fla"] = out
-        verdicts.append(fla_check.verdict(out))
-        print(verdicts[-1], flush=True)
+    for name, (module, python, folder, breaks) in CHECKS.items():
+        if args.only in (None, name):
+            out = module.check(getattr(args, python), REPO / "build" / "engines" / folder,
+                               args.broken if args.broken == breaks else None)
+            result["checks"][name] = out
+            verdicts.append(module.verdict(out))
+            print(verdicts[-1], flush=True)
     result["ok"] = all(c["ok"] for c in result["checks"].values())
     result["seconds"] = round(time.time() - start)
     out_path = args.out or REPO / "bench" / "results" / f"{result['date']}-cpu{os.cpu_count()}-engines" \
