@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,71 @@ class CompletionsConfig:
 
 
 @dataclass
+class SourceCompletionsConfig:
+    """A mixture source's own sampling of its completions (null: data.completions' value)."""
+
+    temperature: float | None = None
+    """0 = greedy; > 0 samples this source's completions."""
+    top_p: float | None = None
+    """Nucleus sampling of this source's completions."""
+    top_k: int | None = None
+    """Top-k sampling of this source's completions."""
+    seed: int | None = None
+    """The generator seed of this source's sampled completions."""
+    max_new_tokens: int | None = None
+    """This source's longest completion, in tokens."""
+
+
+@dataclass
+class SourceConfig:
+    """One source of a training mixture (data.sources): its prompts, how they are rendered and answered, and its
+    share of the training sequences. A null key takes data.*'s value."""
+
+    prompts: str = MISSING
+    """A prompt set, as data.prompts."""
+    weight: float = 1.0
+    """This source's share of every epoch's sequences is weight / the sum of the weights (> 0)."""
+    name: str | None = None
+    """The source's name: its sequences' ids are <name>/<prompt id>, its slice in evaluation is named so; null =
+    source<i> (its place in the list, from 0)."""
+    format: str | None = None
+    """As data.format."""
+    split: str | None = None
+    """As data.split."""
+    prompt_key: str | None = None
+    """As data.prompt_key."""
+    limit: int | None = None
+    """As data.limit: at most this many of the source's prompts."""
+    offset: int | None = None
+    """As data.offset."""
+    enable_thinking: bool | None = None
+    """As data.enable_thinking (null: data.enable_thinking's; a source cannot ask for the template's default when
+    data.enable_thinking sets one)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As data.chat_template_kwargs (e.g. {reasoning_effort: low}); null = data's."""
+    regenerate: str | None = None
+    """As data.regenerate."""
+    completions: SourceCompletionsConfig = field(default_factory=SourceCompletionsConfig)
+    """This source's sampling of its completions (temperature, top_p, top_k, seed, max_new_tokens)."""
+
+    def __post_init__(self) -> None:
+        where = f"data.sources[{self.name or '?'}]"
+        if not self.weight > 0:
+            raise ConfigError(f"{where}.weight={self.weight}: a source's weight must be > 0 (leave a source out "
+                              f"rather than weigh it 0)")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ConfigError(f"{where}.name={self.name!r}: letters, digits, _ . - only (it names files and ids)")
+        if self.format is not None:
+            one_of(f"{where}.format", self.format, {"auto", "jsonl", "parquet", "hf"})
+        if self.regenerate is not None:
+            one_of(f"{where}.regenerate", self.regenerate, {"all_turns", "last_turn", "first_turn"})
+        positive(f"{where}.limit", self.limit)
+        positive(f"{where}.offset", self.offset, allow_zero=True)
+        if self.chat_template_kwargs and "enable_thinking" in self.chat_template_kwargs:
+            raise ConfigError(f"{where}.chat_template_kwargs.enable_thinking: set {where}.enable_thinking instead")
+
+
+@dataclass
 class DataConfig:
     """Prompts, chat formatting and the completions that make the training sequences."""
 
@@ -97,6 +163,11 @@ class DataConfig:
     eval_prompts: str = "builtin:eval_coding"
     """The held-out prompts that go with this data (eval.prompts defaults to them); never among data.prompts."""
     completions: CompletionsConfig = field(default_factory=CompletionsConfig)
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A training mixture (dflash.data.mixture): sources, each with its prompts, rendering (thinking, template
+    switches), sampling of its completions and weight, e.g. [{prompts: p.jsonl, weight: 0.6, enable_thinking: true},
+    {prompts: p.jsonl, weight: 0.4, enable_thinking: false}]; empty = data.prompts alone (ids, stores and hashes as
+    before). With sources, data.prompts names the mixture only."""
 
     def __post_init__(self) -> None:
         one_of("data.format", self.format, {"auto", "jsonl", "parquet", "hf"})
@@ -108,6 +179,10 @@ class DataConfig:
         positive("data.offset", self.offset, allow_zero=True)
         if self.max_length < 4:
             raise ConfigError(f"data.max_length={self.max_length} is too short for prompt + response")
+        names = [src.name or f"source{i}" for i, src in enumerate(self.sources)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"data.sources: the name {twice[0]!r} is given to two sources; name each apart")
 
 
 ENGINE_OWNED = ("model", "dtype", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",

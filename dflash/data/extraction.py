@@ -17,6 +17,7 @@ import torch
 
 from dflash.config import ConfigError, DataConfig, FeaturesConfig, JobConfig
 from dflash.data import cache as fcache
+from dflash.data.mixture import merge, source_store, sources_of
 from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.sequences import Prepared, prepare_sequences
 from dflash.dist import Dist
@@ -85,17 +86,20 @@ def training_prompts(data: DataConfig) -> list[Prompt]:
 
 
 def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
-    """The training sequences of `job`: data.prompts with the target's completions."""
+    """The training sequences of `job`: data.prompts (or each source of data.sources) with the target's
+    completions."""
     if job.features.source == "vllm" and job.train.mode == "online":  # online training computes them in-process
         raise ConfigError("features.source=vllm extracts a feature cache (extract.py, or train.mode=offline); "
                           "train.mode=online computes the features with the target in this process: set "
                           "features.source=hf or train.mode=offline")
-    data = job.data
-    prompts = training_prompts(data)
-    return prepare_sequences(prompts, data.prompts, target, data.completions, completions_store(data, job.features),
-                             dist, chat_template=data.chat_template, enable_thinking=data.enable_thinking,
-                             max_length=data.max_length, regenerate=data.regenerate,
-                             template_kwargs=data.chat_template_kwargs)
+    store, parts = completions_store(job.data, job.features), []
+    for source in sources_of(job.data):  # data.* alone, or each source of a mixture (dflash.data.mixture)
+        data = source.data
+        parts.append((source, prepare_sequences(
+            training_prompts(data), data.prompts, target, data.completions, source_store(store, source), dist,
+            chat_template=data.chat_template, enable_thinking=data.enable_thinking, max_length=data.max_length,
+            regenerate=data.regenerate, template_kwargs=data.chat_template_kwargs)))
+    return merge(parts)
 
 
 def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:

@@ -10,7 +10,8 @@ eval.completions_batch_size (a set made one prompt at a time keeps its key), and
 settings and eval.topk_logits (a greedy set keeps its key), data.completions.stop when set, and for prompts
 with several user turns eval.turns. Every user turn of a conversation is an item of its own (ids <id>,
 <id>:turn2, ...), after the target's own answers to the earlier ones (dflash.data.sequences, all_turns), unless
-eval.turns=first. The held-out completions are never truncated, so data.max_length plays no part. The features
+eval.turns=first. A training mixture (data.sources) gets an item per prompt and rendering of its sources (thinking
+on, off, template switches: dflash.data.mixture.views), ids <view>/<id>, the renderings in the key. The held-out completions are never truncated, so data.max_length plays no part. The features
 folder is per layer set (drafters compared side by side may read different layers).
 """
 
@@ -28,6 +29,7 @@ import torch
 from dflash.config import JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_features
+from dflash.data.mixture import merge, rendering, source_store, views
 from dflash.data.prompts import load_prompts, prompts_hash
 from dflash.data.sequences import prepare_sequences
 from dflash.dist import Dist
@@ -46,9 +48,11 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     """Everything the held-out sequences depend on (what keys its folder); `prompts` when already read."""
     prompts = _prompts(job) if prompts is None else prompts
     batch = job.eval.completions_batch_size
+    mixed = [[name, rendering(source)] for name, source in views(job.data) if name]  # as JSON reads it back
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
             "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
             "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
+            **({"views": mixed} if mixed else {}),
             **({"completions_batch_size": batch} if batch > 1 else {}),
             **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}),
             **({"chat_template_kwargs": dict(job.data.chat_template_kwargs)} if job.data.chat_template_kwargs else {}),
@@ -98,10 +102,15 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
                           max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size,
                           temperature=job.eval.temperature, top_p=job.eval.top_p, top_k=job.eval.top_k,
                           seed=job.eval.seed)
-    prepared = prepare_sequences(prompts, job.eval.prompts, target, completions, store, dist,
-                                 chat_template=job.data.chat_template, enable_thinking=job.data.enable_thinking,
-                                 max_length=None, regenerate="all_turns" if job.eval.turns == "all" else "first_turn",
-                                 template_kwargs=job.data.chat_template_kwargs)
+    parts = []
+    for name, source in views(job.data):  # a mixture: each rendering of its sources (thinking on, off, ...)
+        view = replace(source, name=name)
+        parts.append((view, prepare_sequences(
+            prompts, job.eval.prompts, target, completions, source_store(store, view), dist,
+            chat_template=job.data.chat_template, enable_thinking=source.data.enable_thinking, max_length=None,
+            regenerate="all_turns" if job.eval.turns == "all" else "first_turn",
+            template_kwargs=source.data.chat_template_kwargs)))
+    prepared = merge(parts)
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,

@@ -27,13 +27,18 @@ def seed_for(*parts) -> int:
 @dataclass
 class Schedule:
     """Global batch = batch_size x world x grad_accum sequences per optimizer step; an epoch is
-    a seeded permutation of all sequences, its last global batch topped up from its start."""
+    a seeded permutation of all sequences, its last global batch topped up from its start. With `shares`
+    (a mixture: dflash.data.mixture.shares) an epoch of the same length holds each source's share of it
+    (`quotas`), drawn from an endless seeded cycle over the source's sequences (an under-weighted source shows
+    other sequences each epoch; over whole cycles every sequence of a source comes equally often), then shuffled."""
 
     num_sequences: int
     batch_size: int
     world: int
     grad_accum: int
     seed: int
+    shares: list[tuple[list[int], float]] | None = None
+    """Per source: (its sequences' indices, its share of an epoch); None = every sequence once an epoch."""
 
     @property
     def global_batch(self) -> int:
@@ -45,7 +50,24 @@ class Schedule:
 
     def permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(seed_for(self.seed, "order", epoch))
-        return torch.randperm(self.num_sequences, generator=g).tolist()
+        if self.shares is None:
+            return torch.randperm(self.num_sequences, generator=g).tolist()
+        picked = []
+        for k, ((indices, _), quota) in enumerate(zip(self.shares, self.quotas())):
+            start, n = epoch * quota, len(indices)
+            for pos in range(start, start + quota):  # position pos of source k's stream: cycle pos // n
+                cycle = torch.Generator().manual_seed(seed_for(self.seed, "source", k, pos // n))
+                picked.append(indices[int(torch.randperm(n, generator=cycle)[pos % n])])
+        return [picked[i] for i in torch.randperm(len(picked), generator=g).tolist()]
+
+    def quotas(self) -> list[int]:
+        """Each source's sequences in an epoch: its share of num_sequences, rounded so that they sum to it
+        (largest remainders first)."""
+        exact = [share * self.num_sequences for _, share in self.shares]
+        counts = [int(x) for x in exact]
+        for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: self.num_sequences - sum(counts)]:
+            counts[i] += 1
+        return counts
 
     def micro_batch(self, step: int, micro: int, rank: int) -> tuple[int, list[int]]:
         """(epoch, sequence indices) for one process's micro-batch of an optimizer step."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import JobConfig
+from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, load_drafter
@@ -106,7 +107,8 @@ def train(job: JobConfig) -> Path:
         drafter.load_state_dict(resumed["weights"])
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
-    schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed)
+    schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed,
+                        shares(job.data, [source.id_of(i) for i in range(len(source))]))
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
     state = TrainState(total_steps=total)
     m = prepare_model(job, acc, drafter, total, resumed, state)

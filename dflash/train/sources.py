@@ -13,6 +13,7 @@ import torch
 from dflash.config import DataConfig, JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_training, prepare_training, training_prompts
+from dflash.data.mixture import sampling, sources_of
 from dflash.data.prompts import BUILTIN, prompts_hash
 from dflash.data.stamp import Stamp, file_state
 from dflash.dist import Dist
@@ -119,6 +120,8 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
     picks prompts has changed. Where they cannot be read here (a cache made elsewhere), the cache is
     taken as it is, with a warning."""
     made = manifest.get("data", {})
+    if job.data.sources or "sources" in made:
+        return check_mixture(job, manifest)
     key = prompts_key(job.data) if stamp is not None else None
     read = stamp.data_result(key) if key is not None else None
     if read is None:
@@ -143,6 +146,31 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
         raise CacheError(f"the feature cache {job.features.dir} was extracted from other data than data.* gives "
                          f"({diff}). Delete that folder to extract it anew (the completions stored "
                          f"next to it are kept and reused), or set features.dir to another folder")
+
+
+def check_mixture(job: JobConfig, manifest: dict) -> None:
+    """check_data for a mixture (data.sources): every source's name, prompts (read again: their count and hash),
+    rendering and sampling must be the cache's, in order, and so must data.max_length. The weights are not: they
+    choose among the cached sequences, the features are the same."""
+    now = []
+    for source in sources_of(job.data):
+        data = source.data
+        prompts = training_prompts(data)
+        now.append({"name": source.name, "prompts": data.prompts,
+                    "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
+                    "chat_template": data.chat_template, "enable_thinking": data.enable_thinking,
+                    "chat_template_kwargs": dict(data.chat_template_kwargs), "completions_sampling": sampling(source)})
+    made = manifest.get("data", {}).get("sources", [])
+    there = [{k: m.get(k) for k in now[0]} for m in made]
+    diffs = [f"source {b.get('name') or a.get('name')}: {differences(a, b)}" for a, b in zip(there, now) if a != b]
+    if len(there) != len(now):
+        diffs.insert(0, f"{len(there)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")
+    if manifest.get("max_length") != job.data.max_length:
+        diffs.append(f"max_length: {manifest.get('max_length')} there, {job.data.max_length} now")
+    if diffs:
+        raise CacheError(f"the feature cache {job.features.dir} was extracted from another mixture than data.sources "
+                         f"gives ({'; '.join(diffs)[:800]}). Delete that folder to extract it anew (each source's "
+                         f"completions are kept and reused), or set features.dir to another folder")
 
 
 def keep_heads_only(target: Target) -> None:
