@@ -211,6 +211,11 @@ class EvalConfig:
     turns: str = "all"
     """Which user turns of a multi-turn held-out prompt are evaluated: all (each its own request, the earlier
     assistant turns the target's own answers, teacher-forced and live alike) or first. A suite's protocol sets it."""
+    slices: list[str] = field(default_factory=list)
+    """Also report tau per slice of the held-out set (dflash.evaluate.slices): source (the mixture's sources),
+    thinking (on, off, the template's default), tools (tool-call turns against text turns), length (the block's
+    context: 0-2k, 2-8k, 8-32k, 32k+ tokens); e.g. eval.slices=[thinking,length]. As eval/slice/<kind>/<name>/tau
+    (live: eval/live/slice/...)."""
     plots: bool = True
     """Write PNG plots next to summary.json."""
     dtype: str = "auto"
@@ -243,6 +248,8 @@ class EvalConfig:
         one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
         one_of("eval.selector_draw", self.selector_draw, set(SELECTOR_DRAWS))
         positive("eval.selector_beam", self.selector_beam)
+        for kind in self.slices:
+            one_of("eval.slices[*]", kind, {"source", "thinking", "tools", "length"})
         one_of("eval.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
         one_of("eval.turns", self.turns, {"all", "first"})
         if not 0 < self.top_p <= 1:

@@ -19,18 +19,22 @@ path."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
 from dflash.config import JobConfig
+from dflash.data.mixture import item_id, views
 from dflash.data.prompts import encode, load_prompts, prompt_text, turn_id, turn_messages
 from dflash.data.stops import StopStrings
 from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
 from dflash.evaluate.decode import greedy_generate, speculative_generate
+from dflash.evaluate.slices import slice_metrics, slicers
 from dflash.target.features import target_forward
 from dflash.target.loading import Target
 from dflash.tracking import Progress
@@ -102,21 +106,22 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
     records, plain_time, ties = [], 0.0, 0
     turns = [p.user_turns if cfg.turns == "all" else 1 for p in prompts]
+    rendered = [(replace(source, name=name), source.data) for name, source in views(data)]  # a mixture's renderings
 
-    def request(prompt, turn: int, answers: list[str]) -> torch.Tensor:  # the token ids [1, P] a turn continues
-        text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), data.chat_template,
-                           data.enable_thinking, data.chat_template_kwargs)
+    def request(prompt, turn: int, answers: list[str], how) -> torch.Tensor:  # the ids [1, P] a turn continues
+        text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), how.chat_template,
+                           how.enable_thinking, how.chat_template_kwargs)
         return torch.tensor([encode(target.tokenizer, text)], device=target.device)
 
     if cfg.warmup_tokens and prompts:
-        warm_up(drafter, target, request(prompts[0], 0, []), min(cfg.warmup_tokens, cfg.max_new_tokens), budgets,
-                cfg.verifier, cfg.selector_beam, seed=cfg.seed, **knobs)
-    progress = Progress(sum(turns), "live eval", "requests")
-    for n, prompt in enumerate(prompts):
+        warm_up(drafter, target, request(prompts[0], 0, [], data), min(cfg.warmup_tokens, cfg.max_new_tokens),
+                budgets, cfg.verifier, cfg.selector_beam, seed=cfg.seed, **knobs)
+    progress = Progress(sum(turns) * len(rendered), "live eval", "requests")
+    for (view, how), (n, prompt) in itertools.product(rendered, enumerate(prompts)):
         answers = []  # the conversation's earlier answers: what the drafted chain decoded (the reference's way)
         for turn in range(turns[n]):
-            rid = turn_id(prompt.id, turn)
-            ids = request(prompt, turn, answers)
+            rid = item_id(view, turn_id(prompt.id, turn))
+            ids = request(prompt, turn, answers, how)
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
@@ -141,12 +146,15 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 tot["verify_tokens"] += res.verify_tokens
                 tot["taus"] += res.acceptance_lengths
                 tot["per_prompt"].append((sum(res.acceptance_lengths), len(res.acceptance_lengths)))
+                anchor = ids.shape[1]  # each block's anchor: the prefill's token, then where the last one stopped
                 for step, (tau, drafts) in enumerate(zip(res.acceptance_lengths, res.draft_tokens)):
                     records.append({"prompt_id": rid, "tree_budget": budget, "tree": tree, "step": step,
-                                    "tau": tau, "draft_tokens": drafts})
+                                    "anchor": anchor, "tau": tau, "draft_tokens": drafts})
+                    anchor += tau
             progress.update()
     progress.close()
-    metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts), "eval/live_requests": sum(turns),
+    metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts),
+               "eval/live_requests": sum(turns) * len(rendered),
                "eval/live_ties": ties,
                "eval/live_tokens": totals[None, "marginal"]["tokens"]}
     for (budget, tree), tot in totals.items():
@@ -164,6 +172,8 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             f"{prefix}speedup": plain_time / max(tot["time"], 1e-9),
             f"{prefix}spec_s": tot["time"],
         })
+    chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
+    metrics.update(slice_metrics(chain, slicers(job), "eval/live"))
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification(),

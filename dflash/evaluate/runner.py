@@ -24,6 +24,7 @@ from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suites
 from dflash.evaluate.plots import save_plots
+from dflash.evaluate.slices import slicers
 from dflash.evaluate.summary import log_eval, log_suite, print_suite, print_summary, reference_rows, train_gap
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
 from dflash.io import write_json
@@ -44,7 +45,7 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
         drafter = copy.deepcopy(drafter).to(dtype)
     compiled = flex_compile_count()
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval, backend)
-    summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets)
+    summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job))
     if backend == "flex":  # bounded by the length buckets: teacher_forced pads every forward to one block count
         summary["metrics"]["eval/flex_compiles"] = flex_compile_count() - compiled
         log.info("evaluation at step %d compiled %d flex graphs (%d in this process)", step,
@@ -267,7 +268,7 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
     allowed[label] = check_trained_on(trained_on, eval_set.manifest, job.provenance.allow_mismatch, label,
                                       "the held-out features", path)
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
-    return records, summarize(records, drafter.block_size, job.eval.ddtree_budgets)
+    return records, summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job))
 
 
 def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict, target, dist, extra: dict,

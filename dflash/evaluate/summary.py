@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
         header = ["drafter", "verify", "tau", "tau_se", "tok/forward", "tok/verify", "cost/verify", "speedup",
                   "tokens"]
         verifiers = [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_") for n in budgets],
+                     ("beam", "eval/live_beam_"),
                      *[(f"ddtree_pair@{n}", f"eval/live_ddtree_pair@{n}_") for n in budgets if dflash2]]
         rows = [[label, name, m[f"{prefix}tau"], m.get(f"{prefix}tau_se", "-"), m[f"{prefix}tokens_per_forward"],
                  m[f"{prefix}tokens_per_verify"], m[f"{prefix}verify_cost"], m[f"{prefix}speedup"],
@@ -109,6 +111,24 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     if mode != "live":
         for label, summary in summaries.items():
             print_gap(label, summary["metrics"], out)
+    print_slices(summaries, out)
+
+
+def print_slices(summaries: dict[str, dict], out=None) -> None:
+    """A row per drafter and slice of eval.slices (teacher-forced eval/slice/..., live eval/live/slice/...): the walk's
+    tau, its mean over prompts, blocks and prompts in the slice."""
+    found = re.compile(r"eval/(?:live/)?slice/([^/]+)/([^/]+)/tau$")
+    rows = []
+    for label, summary in summaries.items():
+        m = summary["metrics"]
+        for key in m:
+            if hit := found.fullmatch(key):
+                base = key.removesuffix("/tau")
+                rows.append([label, hit.group(1), hit.group(2), m[key], m[f"{base}/tau_macro"], m[f"{base}/blocks"],
+                             m[f"{base}/prompts"]])
+    if rows:
+        (out or sys.stdout).write("\nby slice (eval.slices):\n")
+        print_table(rows, ["drafter", "slice", "of", "tau", "tau_macro", "blocks", "prompts"], out)
 
 
 def print_table(rows: list[list], header: list[str], out=None) -> None:

@@ -23,6 +23,7 @@ from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_t
 from dflash.drafter.dflash2 import beam_path
 from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows, stored_acceptance, stored_probs
 from dflash.errors import CacheError
+from dflash.evaluate.slices import slice_metrics
 from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth,
                                   walk, walk_variants)
 from dflash.io import write_json, write_jsonl
@@ -214,7 +215,8 @@ def block_correct(draft: torch.Tensor, target: torch.Tensor):
     return metrics.slot_correct(predictions, labels, label_mask)
 
 
-def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: str = "eval") -> dict:
+def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: str = "eval",
+              slices: dict | None = None) -> dict:
     """Metrics of the records, micro (per block) and macro (per prompt), and a per-prompt table.
 
     The headline `tau`, `full` and `ddtree@N` are over the decoding walk (dflash.evaluate.walk: the blocks
@@ -230,12 +232,13 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
     `tau_alpha_product`, an approximation: the same walk with the alphas as rates (slots as if independent, the
     token after a rejection the completion's); `alpha@k`, `tau_expected_all_anchors` and
     `tau_alpha_product_all_anchors` (each block's expected accepted length, 1 + sum_k prod_{i<=k} rate_i) at every
-    anchor. `tau_se` is the greedy walk tau's standard error.
+    anchor. `tau_se` is the greedy walk tau's standard error. `slices` ({kind: record -> slice name},
+    dflash.evaluate.slices): the walk's tau per slice too (`<prefix>/slice/<kind>/<name>/*`).
     """
     every = [r for r in records if r.get("all_anchors", True)]
     dflash2 = bool(records) and "unary_tokens" in records[0]
     sampled = bool(records) and "alpha" in records[0]
-    rows, walked, expected = [], [], []
+    rows, walked, expected, chain_steps = [], [], [], []
     if every:
         correct, _ = block_correct(torch.tensor([r["draft_tokens"] for r in every]),
                                    torch.tensor([r["target_tokens"] for r in every]))
@@ -277,6 +280,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
                              {variant_key(variant): float(tau)}))
             if variant is None:
                 walked.append((sum(tau for _, tau in steps), len(steps)))
+                chain_steps += steps
         if sampled and span(by_anchor[start]) >= 1:
             expected.append((pid, span(by_anchor[start]), expected_blocks(by_anchor, start),
                              expected_blocks(by_anchor, start, alpha_weights)))
@@ -307,6 +311,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
         summary[f"{prefix}/{name}_se"] = metrics.ratio_se(pairs)
         for e in expected:
             table[e[0]][name] = e[1] / e[col]
+    summary.update(slice_metrics(chain_steps, slices or {}, prefix))
     taus = [row["tau"] for _, row in rows if "tau" in row]
     return {"metrics": summary, "tau_histogram": metrics.tau_histogram(taus, block_size),
             "per_prompt": table, "block_size": block_size, "ddtree_budgets": list(budgets)}

@@ -66,15 +66,17 @@ def test_an_epoch_holds_each_source_at_its_share_cycling_through_its_sequences()
 def test_a_two_source_mixture_trains_and_its_cache_is_checked_source_by_source(tiny_targets, tmp_path, monkeypatch):
     """The issue's command: thinking on (60%) and off (40%) of one prompt set trains; each source's completions in a
     store of its own, ids <source>/<prompt>, the manifest listing both with their settings, the held-out set one
-    item per prompt and rendering; a restart with other weights reuses the cache, one with a source changed is
-    refused naming it."""
+    item per prompt and rendering, evaluated by slice (thinking on and off, 10 prompts each); a restart with other
+    weights reuses the cache, one with a source changed is refused naming it."""
     from dflash.errors import CacheError
     from dflash.train.loop import train
 
     monkeypatch.chdir(tmp_path)
     overrides = ["target=tiny_qwen3_5", "data=tiny", THINKING, "train.max_steps=4", "train.save_every=100",
-                 "eval.ddtree_budgets=[4]", "logger=none", f"run.root={tmp_path}/runs"]
+                 "eval.ddtree_budgets=[4]", "logger=none", f"run.root={tmp_path}/runs", "eval.slices=[thinking]"]
     train(compose("train", [*overrides, "run.name=a"]))
+    summary = json.loads((tmp_path / "runs/a/eval/step-000004/summary.json").read_text())["metrics"]
+    assert summary["eval/slice/thinking/on/prompts"] == summary["eval/slice/thinking/off/prompts"] == 10
     cache = tmp_path / "cache/tiny_qwen3_5/tiny"
     assert (cache / "completions.think.jsonl").exists() and (cache / "completions.plain.jsonl").exists()
     manifest = json.loads((cache / "features/manifest.json").read_text())
