@@ -121,7 +121,8 @@ def latest_run(root: Path) -> RunLayout:
 
 
 class Progress:
-    """A progress bar on a terminal; elsewhere (a job log) a line at most every `every_s` seconds."""
+    """A progress bar on a terminal; elsewhere (a job log) a line at most every `every_s` seconds, with the rate
+    and the time left at that rate (`line`)."""
 
     every_s = 30.0
 
@@ -137,7 +138,15 @@ class Progress:
         self.bar.update(n)
         if self.bar.disable and (time.time() - self.last >= self.every_s or self.done == self.total):
             self.last = time.time()
-            log.info("%s: %d/%d %s (%.0f s)", self.desc, self.done, self.total, self.unit, self.last - self.start)
+            log.info("%s", self.line(self.last - self.start))
+
+    def line(self, elapsed: float) -> str:
+        """'desc: done/total unit (elapsed s, rate unit/s, ETA h:mm:ss)' after `elapsed` seconds."""
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta = "?" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left)).lstrip("0:") or "0"
+        return (f"{self.desc}: {self.done}/{self.total} {self.unit} ({elapsed:.0f} s, {rate:.3g} {self.unit}/s, "
+                f"ETA {eta})")
 
     def close(self) -> None:
         self.bar.close()

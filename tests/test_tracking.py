@@ -115,3 +115,15 @@ def test_offline_train_and_eval_folders_sync_into_one_run(tmp_path):
     assert (last["eval/tau"], last["eval/best_step"]) == (5.0, 4)
     models = [a for a in train["artifacts"] if a.type == "model"]
     assert len(models) == 2 and all(e.ref.startswith("file://") for a in models for e in a.manifest.contents)
+
+
+def test_a_progress_line_gives_the_rate_and_the_time_left():
+    """In a job's log (no terminal) a long regeneration says how fast it goes and when it ends."""
+    from dflash.tracking import Progress
+
+    p = Progress(300, "completions", "prompts")
+    p.done = 71
+    assert p.line(142.0) == "completions: 71/300 prompts (142 s, 0.5 prompts/s, ETA 7:38)"
+    p.done = 0
+    assert p.line(3.0).endswith("ETA ?)")
+    p.close()

@@ -46,12 +46,16 @@ class CompletionsConfig:
     """Top-k sampling of the completions (0 = off)."""
     seed: int = 0
     """Sampled completions: the generator seed of each generate call (hf) or request (server)."""
+    truncated: str = "keep"
+    """Completions cut at max_new_tokens (finish_reason "length": the budget reached before the end of the turn):
+    keep them (their loss ends mid-answer) or drop them; counted in the manifest either way (`truncated`)."""
     token_ids: bool = True
     """Ask the server for the generated token ids (vLLM's return_token_ids), so nothing is re-tokenized;
     false for servers that refuse the field (their text is re-tokenized, and the manifest counts it)."""
 
     def __post_init__(self) -> None:
         one_of("data.completions.source", self.source, {"cached", "hf", "server"})
+        one_of("data.completions.truncated", self.truncated, {"keep", "drop"})
         if self.source == "cached" and not self.path:
             raise ConfigError("data.completions.source=cached needs data.completions.path (a JSONL file)")
         for key in ("max_new_tokens", "batch_size", "concurrency", "ready_timeout_s",

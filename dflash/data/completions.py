@@ -35,6 +35,7 @@ from dflash.dist import Dist
 from dflash.errors import CompletionsError
 from dflash.io import write_json, write_jsonl
 from dflash.target.sharding import drain, shared
+from dflash.tracking import Progress
 
 log = logging.getLogger(__name__)
 
@@ -307,11 +308,9 @@ def obtain(cfg: CompletionsConfig, path: Path, prompts: list[tuple[str, str]], s
 
 
 def _run_hf(cfg, target, items, out: _Appender) -> None:
-    from tqdm import tqdm
-
     stop_ids = target.stop_token_ids()
     items = by_length(target.tokenizer, items)
-    bar = tqdm(total=len(items), desc="completions", unit="prompt", disable=None)
+    bar = Progress(len(items), "completions", "prompts")  # with rate and ETA, in a job's log too
     for s in range(0, len(items), cfg.batch_size):
         chunk = items[s: s + cfg.batch_size]
         results = shared(target, generate_hf, [t for _, _, t in chunk], cfg, stop_ids)
@@ -329,10 +328,8 @@ def by_length(tokenizer, items: list[tuple]) -> list[tuple]:
 
 
 def _run_server(cfg, model, items, out: _Appender, eos_id) -> None:
-    from tqdm import tqdm
-
     wait_for_server(cfg)
-    bar = tqdm(total=len(items), desc="completions", unit="prompt", disable=None)
+    bar = Progress(len(items), "completions", "prompts")
     with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
         futures = {pool.submit(complete_server, cfg, model, text, pid, eos_id): (pid, text) for _, pid, text in items}
         for fut in as_completed(futures):

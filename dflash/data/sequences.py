@@ -78,6 +78,7 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                 else generation_settings(target, completions, chat_template, enable_thinking, template_kwargs))
     eos_id = end_of_turn_id(tok) if tok else None
     skipped = {"prompt_too_long": 0, "no_completion": 0, "completion_too_short": 0}
+    truncated = 0  # completions that reached max_new_tokens before the end of their turn
     answers: dict[str, list[str]] = {p.id: [] for p in prompts}  # the target's answers so far (all_turns)
     sequences, retokenized = [], 0
     for turn, todo in _rounds(prompts, regenerate):
@@ -97,7 +98,12 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
             if rec is None or rec.get("prompt_sha") not in (None, text_sha(text)):
                 skipped["no_completion"] += 1
                 continue
-            answers[p.id].append(rec.get("completion", ""))
+            answers[p.id].append(rec.get("completion", ""))  # a later turn follows the answer as it was
+            if rec.get("finish_reason") == "length":
+                truncated += 1
+                if completions.truncated == "drop":
+                    skipped["truncated"] = skipped.get("truncated", 0) + 1
+                    continue
             retokenized += rec.get("completion_ids") is None
             seq = build_sequence(iid, ids, completion_ids(rec, tok, eos_id), max_length)
             if seq is None:
@@ -109,6 +115,9 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                     max_length)
     if skipped["no_completion"]:
         log.warning("%d prompts have no completion in %s and are skipped", skipped["no_completion"], store)
+    if truncated:
+        log.info("%d completions reached %d tokens before the end of their turn: %s (data.completions.truncated)",
+                 truncated, completions.max_new_tokens, "dropped" if completions.truncated == "drop" else "kept")
     if not sequences:
         raise DataError(f"no training sequences from {source} (skipped: {skipped}); check data.prompts, "
                         f"data.max_length and the completions in {store}")
@@ -119,7 +128,8 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                     "generated); recorded in the manifest as completions_retokenized", retokenized)
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
-            "skipped": skipped, "completions_retokenized": retokenized, "chat_template": chat_template,
+            "skipped": skipped, "completions_retokenized": retokenized, "truncated": truncated,
+            **({"truncated_kept": False} if completions.truncated == "drop" else {}), "chat_template": chat_template,
             "enable_thinking": enable_thinking, "chat_template_kwargs": template_kwargs,
             **({"regenerate": regenerate} if multi else {})}
     return Prepared(sequences, info)

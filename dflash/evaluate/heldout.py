@@ -98,7 +98,8 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     source = "cached" if job.eval.completions_path else (
         "server" if job.data.completions.source == "server" else "hf")
     sampled = job.eval.temperature > 0
-    completions = replace(job.data.completions, source=source, path=str(store),
+    # truncated="keep": live decoding stops at the same budget, so a cut answer is what it decodes too
+    completions = replace(job.data.completions, source=source, path=str(store), truncated="keep",
                           max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size,
                           temperature=job.eval.temperature, top_p=job.eval.top_p, top_k=job.eval.top_k,
                           seed=job.eval.seed)

@@ -138,8 +138,11 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
     now = {"prompts": job.data.prompts, **read,
            "max_length": job.data.max_length, "chat_template": job.data.chat_template,
            "enable_thinking": job.data.enable_thinking, "regenerate": job.data.regenerate,
-           "chat_template_kwargs": dict(job.data.chat_template_kwargs)}
+           "chat_template_kwargs": dict(job.data.chat_template_kwargs),
+           "truncated_kept": job.data.completions.truncated == "keep"}
     there = {**made, "max_length": manifest.get("max_length")}
+    if "truncated" in made:  # recorded since data.completions.truncated exists: dropped ones say so
+        there.setdefault("truncated_kept", True)
     recorded = [k for k in now if k in there]  # caches made before a setting was recorded are not refused for it
     diff = differences({k: there[k] for k in recorded}, {k: now[k] for k in recorded})
     if diff:
@@ -159,9 +162,10 @@ def check_mixture(job: JobConfig, manifest: dict) -> None:
         now.append({"name": source.name, "prompts": data.prompts,
                     "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
                     "chat_template": data.chat_template, "enable_thinking": data.enable_thinking,
-                    "chat_template_kwargs": dict(data.chat_template_kwargs), "completions_sampling": sampling(source)})
+                    "chat_template_kwargs": dict(data.chat_template_kwargs), "completions_sampling": sampling(source),
+                    "truncated_kept": data.completions.truncated == "keep"})
     made = manifest.get("data", {}).get("sources", [])
-    there = [{k: m.get(k) for k in now[0]} for m in made]
+    there = [{k: m.get(k, True if k == "truncated_kept" else None) for k in now[0]} for m in made]
     diffs = [f"source {b.get('name') or a.get('name')}: {differences(a, b)}" for a, b in zip(there, now) if a != b]
     if len(there) != len(now):
         diffs.insert(0, f"{len(there)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")

@@ -97,3 +97,22 @@ def test_last_turn_keeps_the_conversations_own_earlier_turns(tmp_path, tiny_targ
                               tmp_path / "c.jsonl", Dist(), chat_template=True, enable_thinking=False,
                               max_length=None, regenerate="first_turn")
     assert sorted(s.id for s in first.sequences) == ["c", "o"]
+
+
+def test_truncated_completions_are_kept_or_dropped_and_counted_either_way(tmp_path, tiny_targets):
+    """A completion that reached max_new_tokens before the end of its turn (finish_reason "length"): kept by default,
+    dropped with data.completions.truncated=drop; the manifest's info counts it both ways."""
+    target = tiny_targets["tiny_qwen3"]
+    prompts = [Prompt(p, [{"role": "user", "content": p}]) for p in ("a", "b", "c")]
+    store = tmp_path / "c.jsonl"
+    store.write_text("".join(json.dumps({"id": p, "completion": "xy", "completion_ids": [120, 121, 62],
+                                         "finish_reason": reason}) + "\n"
+                             for p, reason in (("a", "stop"), ("b", "length"), ("c", "length"))))
+    kept, dropped = (prepare_sequences(prompts, "test", target, CompletionsConfig(source="cached", path=str(store),
+                                                                                  truncated=how),
+                                       store, Dist(), chat_template=True, enable_thinking=False, max_length=None)
+                     for how in ("keep", "drop"))
+    assert kept.info["truncated"] == dropped.info["truncated"] == 2
+    assert [s.id for s in kept.sequences] == ["a", "b", "c"] and [s.id for s in dropped.sequences] == ["a"]
+    assert dropped.info["skipped"]["truncated"] == 2 and dropped.info["truncated_kept"] is False
+    assert "truncated_kept" not in kept.info  # keep is the old behaviour: its manifests unchanged but the count

@@ -106,3 +106,21 @@ def test_unreadable_prompts_still_warn(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         sources.check_data(job, manifest, Stamp(tmp_path / "features"))
     assert "could not read data.prompts" in caplog.text
+
+
+def test_a_cache_made_keeping_truncated_answers_is_refused_for_dropping_them(tmp_path):
+    """data.completions.truncated changes which sequences a cache holds: a cache that counted its truncated answers
+    and kept them (the default) is refused for a run that drops them, and the other way; an older cache (no count
+    recorded) is not refused for it."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 3)
+    job = job_for(tmp_path, prompts)
+    kept = manifest_of(job)
+    kept["data"]["truncated"] = 1
+    sources.check_data(job, kept)
+    with pytest.raises(CacheError, match="truncated_kept: True there, False now"):
+        sources.check_data(job_for(tmp_path, prompts, "data.completions.truncated=drop"), kept)
+    dropped = {**kept, "data": {**kept["data"], "truncated_kept": False}}
+    with pytest.raises(CacheError, match="truncated_kept: False there, True now"):
+        sources.check_data(job, dropped)
+    sources.check_data(job_for(tmp_path, prompts, "data.completions.truncated=drop"), manifest_of(job))  # older
