@@ -69,3 +69,11 @@ def tiny_family_targets(dflash_home):
         cfg = compose("train", [f"target={name}"]).target
         out[name] = (load_target(cfg, torch.device("cpu")), load_target(cfg, torch.device("cpu"), heads_only=True))
     return out
+
+
+@pytest.fixture(scope="session")
+def tools_target(dflash_home):
+    """tiny_qwen3_tools: tiny_qwen3 with a chat template that renders tools (Qwen3's format)."""
+    from dflash.target import load_target
+
+    return load_target(compose("train", ["target=tiny_qwen3_tools"]).target, torch.device("cpu"))

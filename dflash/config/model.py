@@ -9,8 +9,8 @@ from omegaconf import MISSING
 from dflash.config.checks import ConfigError, one_of, positive
 
 
-BUILDS = ("toy", "tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_hd32", "tiny_qwen3_5", "tiny_qwen3_moe",
-          "tiny_qwen3_5_moe", "tiny_llama", "tiny_gemma", "tiny_gpt_oss")
+BUILDS = ("toy", "tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_hd32", "tiny_qwen3_tools", "tiny_qwen3_5",
+          "tiny_qwen3_moe", "tiny_qwen3_5_moe", "tiny_llama", "tiny_gemma", "tiny_gpt_oss")
 """The built-in targets (dflash.target.builtin): the toy, and tiny random-weight ones of each supported family."""
 
 

@@ -121,6 +121,7 @@ def tiny_gpt_oss_config(vocab_size: int):
 
 
 TINY = {"tiny_qwen3": (tiny_qwen3_config, "qwen"), "tiny_qwen3_sliding": (tiny_qwen3_sliding_config, "qwen"),
+        "tiny_qwen3_tools": (tiny_qwen3_config, "qwen_tools"),  # tiny_qwen3 whose template renders tools
         "tiny_qwen3_hd32": (tiny_qwen3_hd32_config, "qwen"),
         "tiny_qwen3_5": (tiny_qwen3_5_config, "qwen"), "tiny_qwen3_moe": (tiny_qwen3_moe_config, "qwen"),
         "tiny_qwen3_5_moe": (tiny_qwen3_5_moe_config, "qwen"),

@@ -21,16 +21,53 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 # Qwen3-style: system/user/assistant turns between <|im_start|> and <|im_end|>; with thinking
 # off the generation prompt carries an empty think block, as Qwen3 does.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
+QWEN_TURN = "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+QWEN_GENERATION_PROMPT = (
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- endif %}"
     "{%- endif %}"
+)
+CHAT_TEMPLATE = "{%- for message in messages %}" + QWEN_TURN + "{%- endfor %}" + QWEN_GENERATION_PROMPT
+
+# Qwen3's tool format on CHAT_TEMPLATE's turns (the "qwen" template stays as it is: its string is in the tokenizer
+# fingerprint of the shipped toy target and of every cache keyed by it). With tools, a system turn first lists them
+# as JSON lines within <tools></tools> (after the conversation's own system text, if any) and says how to call one;
+# an assistant turn's tool_calls follow its content as <tool_call> blocks, {"name": ..., "arguments": {...}} inside
+# (arguments given as a string are written as they are); tool results become one user turn per run of them, each
+# within <tool_response></tool_response>. The tags are plain bytes here (real Qwen3 adds them as non-special tokens,
+# which decoding keeps, as it keeps bytes).
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nThese functions can be called, each described by one JSON line within <tools></tools>:\\n"
+    "<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object of its name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}" + QWEN_TURN + "{%- endif %}"
+    "{%- endfor %}" + QWEN_GENERATION_PROMPT
 )
 
 # Llama 3.1: a header per turn, <|eot_id|> ends each; the template's default system turn states the dates.
@@ -89,6 +126,7 @@ class Family:
 
 FAMILIES = {
     "qwen": Family(tuple(SPECIAL_TOKENS), "<|im_end|>", "<|endoftext|>", CHAT_TEMPLATE),
+    "qwen_tools": Family(tuple(SPECIAL_TOKENS), "<|im_end|>", "<|endoftext|>", QWEN_TOOLS_TEMPLATE),
     "llama3": Family(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                       "<|eot_id|>", "<|finetune_right_pad_id|>", "<|mask|>"),
                      "<|eot_id|>", "<|finetune_right_pad_id|>", LLAMA3_TEMPLATE, ("<|end_of_text|>", "<|eot_id|>")),
