@@ -82,6 +82,7 @@ class TensorPeak:
             mem.track(*model.parameters())
             step()
         mem.peak, mem.peak_op   # bytes, the aten op whose outputs made the peak
+        mem.largest             # (bytes, shape, op) of the largest storage made: a dense [L, L] shows here
     """
 
     def __init__(self):
@@ -96,6 +97,7 @@ class TensorPeak:
                 return out
 
         self._mode, self._live, self.peak, self.peak_op = _Mode(), {}, 0, None
+        self.largest: tuple[int, tuple, str] = (0, (), "")
 
     def track(self, *tensors) -> None:
         self._see([t for t in tensors if t is not None], "track")
@@ -115,6 +117,8 @@ class TensorPeak:
                 if st.data_ptr() not in self._live and st.nbytes():
                     self._live[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
                     live += st.nbytes()
+                    if st.nbytes() > self.largest[0]:
+                        self.largest = (st.nbytes(), tuple(t.shape), str(op))
         if live > self.peak:
             self.peak, self.peak_op = live, str(op)
 

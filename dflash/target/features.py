@@ -43,7 +43,10 @@ def target_forward(target: Target, input_ids: torch.Tensor, layer_ids: list[int]
                    cache=None, logits_to_keep: int | None = None) -> TargetOutput:
     """Run the target once; keep only the requested layers' outputs.
 
-    input_ids: [b, L]. attention_mask: [b, L] (1 = token, 0 = right padding). cache: a
+    input_ids: [b, L]. attention_mask: [b, L] (1 = token, 0 = padding) or per-layer-type 4D masks; None for
+    right padding, which needs none: a causal target's outputs at a row's real positions never see the padding
+    after them, while a [b, L] mask makes transformers build a dense [b, 1, L, L] one (sdpa, eager: 1 GiB a
+    sequence of 32k tokens, and a float copy for every layer's call). cache: a
     transformers cache for incremental decoding. logits_to_keep: None (no logits needed; only
     the last position's are computed), 0 (all positions) or k (the last k).
     A target sharded over processes (target.tensor_parallel) runs the call with the other processes of its group
@@ -121,14 +124,10 @@ def batched_features(target: Target, sequences: list[torch.Tensor], layer_ids: l
     def run(batch):
         width = sequences[batch[0]].numel()
         ids = torch.full((len(batch), width), target.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : sequences[i].numel()] = sequences[i]
-            mask[row, : sequences[i].numel()] = 1
-        padded = bool((mask == 0).any())
-        out = target_forward(target, ids.to(target.device), layer_ids,
-                             attention_mask=mask.to(target.device) if padded else None,
-                             logits_to_keep=0 if topk else None)
+        # right padding, so no attention mask (target_forward): nothing [L, L]-sized for a long batch
+        out = target_forward(target, ids.to(target.device), layer_ids, logits_to_keep=0 if topk else None)
         soft = topk_of(out.logits, topk) if topk else None
         for row, i in enumerate(batch):
             n = sequences[i].numel()

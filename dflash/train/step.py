@@ -51,25 +51,15 @@ def batch_features(acc, target, drafter, batch: Batch) -> torch.Tensor:
         scales = None if batch.scales is None else to_device(batch.scales, acc.device).view(b * L, n_layers)
         return dequantize(stored.view(b * L, D), scales, n_layers, torch.float32).view(b, L, D)
     ids = to_device(batch.input_ids, acc.device)
-    mask = _padding_mask(acc, batch, *ids.shape)
-    return target_forward(target, ids, drafter.target_layer_ids, attention_mask=mask).features.float()
+    return target_forward(target, ids, drafter.target_layer_ids).features.float()  # right padding: no mask
 
 
 def features_and_logits(acc, target, drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Online, for the soft-label losses (loss=kl, tv, nla, expected_tau): (features float32
     [b, L, n_layers*H], logits [b, L, vocab]) from one target forward."""
     ids = to_device(batch.input_ids, acc.device)
-    out = target_forward(target, ids, drafter.target_layer_ids, attention_mask=_padding_mask(acc, batch, *ids.shape),
-                         logits_to_keep=0)
+    out = target_forward(target, ids, drafter.target_layer_ids, logits_to_keep=0)  # right padding: no mask (features.py)
     return out.features.float(), out.logits
-
-
-def _padding_mask(acc, batch: Batch, b: int, L: int) -> torch.Tensor | None:
-    """[b, L] 1 = token, 0 = right padding, or None when no row is padded (known on the host)."""
-    if batch.num_tokens == b * L:
-        return None
-    lengths = to_device(batch.lengths, acc.device)
-    return (torch.arange(L, device=acc.device)[None] < lengths[:, None]).long()
 
 
 def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev,
