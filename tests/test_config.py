@@ -222,3 +222,18 @@ def test_config_error_surfaces_through_compose():
         compose("train", ["drafter.block_size=1"])
     text = f"{e.value} {e.value.__cause__}"
     assert "drafter.block_size=1" in text
+
+
+def test_tool_data_keys_default_to_ending_at_a_differing_call_and_stopping_at_a_bad_record():
+    """data.tools.keep_results (false: a conversation ends at a call other than the recorded one) and
+    data.skip_bad_records (false: a bad record stops preparation); keep_results needs a regeneration that makes calls
+    followed by results (all_turns, in data.regenerate or a source's)."""
+    job = compose("train", ["debug=tiny"])
+    assert job.data.tools.keep_results is False and job.data.skip_bad_records is False
+    assert compose("train", ["debug=tiny", "data.tools.keep_results=true", "data.skip_bad_records=true"]).data.tools
+    with pytest.raises(Exception) as e:
+        compose("train", ["debug=tiny", "data.tools.keep_results=true", "data.regenerate=last_turn"])
+    assert "data.tools.keep_results=true" in f"{e.value} {e.value.__cause__}"
+    mixed = ("data.sources=[{prompts: builtin:tiny_prompts, regenerate: first_turn}, "
+             "{prompts: builtin:tiny_prompts, regenerate: all_turns}]")
+    assert compose("train", ["debug=tiny", "data.tools.keep_results=true", "data.regenerate=last_turn", mixed])

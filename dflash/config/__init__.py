@@ -16,13 +16,14 @@ from typing import Any
 from omegaconf import MISSING
 
 from dflash.config.checks import ConfigError
-from dflash.config.data import CompletionsConfig, DataConfig, FeaturesConfig
+from dflash.config.data import CompletionsConfig, DataConfig, FeaturesConfig, ToolsConfig
 from dflash.config.model import DEFAULT_GAMMA, DrafterConfig, LayersConfig, LossConfig, NoiseConfig, TargetConfig
 from dflash.config.run import EvalConfig, LoggerConfig, OptimConfig, ProvenanceConfig, RunConfig, TrainConfig
 
 __all__ = ["DEFAULT_GAMMA", "CompletionsConfig", "ConfigError", "DataConfig", "DrafterConfig", "EvalConfig",
            "FeaturesConfig", "JobConfig", "LayersConfig", "LoggerConfig", "LossConfig", "NoiseConfig", "OptimConfig",
-           "ProvenanceConfig", "ReportConfig", "RunConfig", "TargetConfig", "TrainConfig", "register_configs"]
+           "ProvenanceConfig", "ReportConfig", "RunConfig", "TargetConfig", "ToolsConfig", "TrainConfig",
+           "register_configs"]
 
 
 @dataclass

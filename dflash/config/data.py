@@ -133,6 +133,15 @@ class SourceConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """Tool-call conversations (records with `tools`, assistant `tool_calls` and `tool` results: dflash.data.tools)."""
+
+    keep_results: bool = False
+    """A regenerated tool call that differs from the recorded one: true keeps the recorded results after it (the
+    conversation goes on), false ends the conversation there (counted in the manifest either way)."""
+
+
+@dataclass
 class DataConfig:
     """Prompts, chat formatting and the completions that make the training sequences."""
 
@@ -167,6 +176,11 @@ class DataConfig:
     eval_prompts: str = "builtin:eval_coding"
     """The held-out prompts that go with this data (eval.prompts defaults to them); never among data.prompts."""
     completions: CompletionsConfig = field(default_factory=CompletionsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """How the target's own tool calls carry a conversation on (data.tools.keep_results)."""
+    skip_bad_records: bool = False
+    """A bad record (a tools record the chat template cannot render, a tool call of the target's that is not valid
+    JSON): false stops with one line naming the source and the record; true skips the record and counts it."""
     sources: list[SourceConfig] = field(default_factory=list)
     """A training mixture (dflash.data.mixture): sources, each with its prompts, rendering (thinking, template
     switches), sampling of its completions and weight, e.g. [{prompts: p.jsonl, weight: 0.6, enable_thinking: true},
@@ -183,6 +197,11 @@ class DataConfig:
         positive("data.offset", self.offset, allow_zero=True)
         if self.max_length < 4:
             raise ConfigError(f"data.max_length={self.max_length} is too short for prompt + response")
+        regenerates = {src.regenerate or self.regenerate for src in self.sources} or {self.regenerate}
+        if self.tools.keep_results and "all_turns" not in regenerates:
+            raise ConfigError(f"data.tools.keep_results=true keeps recorded tool results after the target's own calls, "
+                              f"which only data.regenerate=all_turns makes (now {sorted(regenerates)}); set "
+                              f"data.regenerate=all_turns or drop data.tools.keep_results")
         names = [src.name or f"source{i}" for i, src in enumerate(self.sources)]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:

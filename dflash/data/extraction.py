@@ -98,7 +98,8 @@ def prepare_training(job: JobConfig, target: Target, dist: Dist) -> Prepared:
         parts.append((source, prepare_sequences(
             training_prompts(data), data.prompts, target, data.completions, source_store(store, source), dist,
             chat_template=data.chat_template, enable_thinking=data.enable_thinking, max_length=data.max_length,
-            regenerate=data.regenerate, template_kwargs=data.chat_template_kwargs)))
+            regenerate=data.regenerate, template_kwargs=data.chat_template_kwargs, tools=data.tools,
+            skip_bad_records=data.skip_bad_records)))
     return merge(parts)
 
 

@@ -114,6 +114,8 @@ def merge(parts: list[tuple[Source, "Prepared"]]) -> "Prepared":
     for source, prepared in parts:
         for seq in prepared.sequences:
             seq.id = item_id(source, seq.id)
+        if "tools" in prepared.info:  # the ids of its tool turns (dflash.data.tools), as its sequences' are
+            prepared.info["tools"]["items"] = [item_id(source, i) for i in prepared.info["tools"]["items"]]
         sequences += prepared.sequences
         listed.append({"name": source.name, "weight": source.weight, **prepared.info,
                        "completions_sampling": sampling(source)})

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import CompletionsConfig
+from dflash.config import CompletionsConfig, ToolsConfig
 from dflash.data.completions import completion_ids, end_of_turn_id, obtain, text_sha
-from dflash.data.prompts import Prompt, encode, prompt_text, prompts_hash, turn_id, turn_messages
+from dflash.data.prompts import Prompt, conversation_id, encode, prompt_text, prompts_hash, turn_id, turn_messages
+from dflash.data.tools import ToolConversations
 from dflash.dist import Dist
 from dflash.errors import DataError
 from dflash.provenance import generation_settings
@@ -53,7 +54,8 @@ class Prepared:
 def prepare_sequences(prompts: list[Prompt], source: str, target, completions: CompletionsConfig, store: Path,
                       dist: Dist, *, chat_template: bool, enable_thinking: bool | None,
                       max_length: int | None, regenerate: str = "all_turns",
-                      template_kwargs: dict | None = None) -> Prepared:
+                      template_kwargs: dict | None = None, tools: ToolsConfig | None = None,
+                      skip_bad_records: bool = False) -> Prepared:
     """Prompts -> chat text -> target completions -> token sequences with a response loss mask.
 
     `source` names the prompt set (for messages and the manifest); completions are read from or
@@ -68,10 +70,16 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     answer (ids <id>, <id>:turn2, ...: dflash.data.prompts.turn_id); last_turn, one sequence, the answer to the
     last user turn after the conversation's own earlier turns; first_turn, the first user turn alone.
     template_kwargs: the chat template's other switches (data.chat_template_kwargs), recorded with the rest.
+    Tool conversations (records with tools, tool calls, tool results) are answered at every generation point, as
+    dflash.data.tools says (data.tools; data.skip_bad_records: skip bad records, counted, instead of stopping).
     """
     template_kwargs = dict(template_kwargs or {})
     tok = target.tokenizer
-    multi = any(p.user_turns > 1 for p in prompts)
+    talks = ToolConversations(
+        prompts, source, lambda messages, tools: prompt_text(tok, messages, chat_template, enable_thinking,
+                                                              template_kwargs, tools),
+        regenerate, (tools or ToolsConfig()).keep_results, skip_bad_records)
+    multi = any(talks.turns(p) > 1 for p in prompts)
     # a cached file is read as it is; the settings guard only stores that hf/server extend (and
     # fingerprinting a 250k-token tokenizer such as Qwen3.5's takes seconds)
     settings = ({} if completions.source == "cached"
@@ -81,13 +89,18 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     truncated = 0  # completions that reached max_new_tokens before the end of their turn
     answers: dict[str, list[str]] = {p.id: [] for p in prompts}  # the target's answers so far (all_turns)
     sequences, retokenized = [], 0
-    for turn, todo in _rounds(prompts, regenerate):
+    for turn, todo in _rounds(prompts, regenerate, talks.turns):
         # all_turns: a turn needs the target's answers to every earlier one (one missing: the rest is skipped)
         todo = [p for p in todo if regenerate != "all_turns" or len(answers[p.id]) == turn]
         items = []
         for p in todo:
-            messages = turn_messages(p, turn, answers[p.id] if regenerate == "all_turns" else None)
-            text = prompt_text(tok, messages, chat_template, enable_thinking, template_kwargs)
+            if p.id in talks.steps:  # a tool conversation: None where it ended (counted)
+                messages = talks.messages(p, turn)
+                if messages is None:
+                    continue
+            else:
+                messages = turn_messages(p, turn, answers[p.id] if regenerate == "all_turns" else None)
+            text = prompt_text(tok, messages, chat_template, enable_thinking, template_kwargs, p.tools)
             items.append((p, turn_id(p.id, turn), text, encode(tok, text)))
         fits = [it for it in items if max_length is None or len(it[3]) + 2 <= max_length]
         skipped["prompt_too_long"] += len(items) - len(fits)
@@ -98,8 +111,11 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
             if rec is None or rec.get("prompt_sha") not in (None, text_sha(text)):
                 skipped["no_completion"] += 1
                 continue
+            cut = rec.get("finish_reason") == "length"
+            if p.id in talks.steps and not talks.answered(p, turn, iid, rec.get("completion", ""), cut):
+                continue  # a call of the target's that is not valid JSON: the record is skipped (counted)
             answers[p.id].append(rec.get("completion", ""))  # a later turn follows the answer as it was
-            if rec.get("finish_reason") == "length":
+            if cut:
                 truncated += 1
                 if completions.truncated == "drop":
                     skipped["truncated"] = skipped.get("truncated", 0) + 1
@@ -110,6 +126,9 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                 skipped["completion_too_short"] += 1
                 continue
             sequences.append(seq)
+    if skip_bad_records:  # a bad record's sequences go, the ones made before it was found bad too
+        sequences = [s for s in sequences if conversation_id(s.id) not in talks.bad]
+        skipped["bad_records"] = len(talks.bad)
     if skipped["prompt_too_long"]:
         log.warning("skipped %d prompts longer than data.max_length=%d tokens", skipped["prompt_too_long"],
                     max_length)
@@ -131,18 +150,20 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
             "skipped": skipped, "completions_retokenized": retokenized, "truncated": truncated,
             **({"truncated_kept": False} if completions.truncated == "drop" else {}), "chat_template": chat_template,
             "enable_thinking": enable_thinking, "chat_template_kwargs": template_kwargs,
-            **({"regenerate": regenerate} if multi else {})}
+            **({"regenerate": regenerate} if multi else {}), **talks.info()}
     return Prepared(sequences, info)
 
 
-def _rounds(prompts: list[Prompt], regenerate: str) -> list[tuple[int, list[Prompt]]]:
-    """(user turn, the prompts answered at it) in the order they are generated: all_turns turn by turn (each needs
-    the answers before it), last_turn each conversation's last user turn, first_turn the first."""
+def _rounds(prompts: list[Prompt], regenerate: str, turns) -> list[tuple[int, list[Prompt]]]:
+    """(turn, the prompts answered at it) in the order they are generated: all_turns turn by turn (each needs
+    the answers before it), last_turn each conversation's last turn, first_turn the first. turns(prompt): its user
+    turns, a tool conversation's generation points (0: a bad record, skipped)."""
+    prompts = [p for p in prompts if turns(p) > 0]
     if regenerate == "first_turn":
         return [(0, prompts)]
     if regenerate == "last_turn":
         by_turn: dict[int, list[Prompt]] = {}
         for p in prompts:
-            by_turn.setdefault(p.user_turns - 1, []).append(p)
+            by_turn.setdefault(turns(p) - 1, []).append(p)
         return sorted(by_turn.items())
-    return [(t, [p for p in prompts if p.user_turns > t]) for t in range(max(p.user_turns for p in prompts))]
+    return [(t, [p for p in prompts if turns(p) > t]) for t in range(max(map(turns, prompts), default=0))]

@@ -139,7 +139,8 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
            "max_length": job.data.max_length, "chat_template": job.data.chat_template,
            "enable_thinking": job.data.enable_thinking, "regenerate": job.data.regenerate,
            "chat_template_kwargs": dict(job.data.chat_template_kwargs),
-           "truncated_kept": job.data.completions.truncated == "keep"}
+           "truncated_kept": job.data.completions.truncated == "keep",
+           "tool_results_kept": job.data.tools.keep_results}  # recorded where the data has tool conversations
     there = {**made, "max_length": manifest.get("max_length")}
     if "truncated" in made:  # recorded since data.completions.truncated exists: dropped ones say so
         there.setdefault("truncated_kept", True)

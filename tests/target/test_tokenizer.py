@@ -6,8 +6,9 @@ import torch
 
 from dflash.target.tokenizer import CHAT_TEMPLATE
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}]
 
 
 def test_the_tools_template_renders_tools_calls_and_results_in_qwen3s_format(tools_target):
@@ -32,7 +33,8 @@ def test_the_tools_template_renders_tools_calls_and_results_in_qwen3s_format(too
                     "<|im_start|>user\n<tool_response>\n20C\n</tool_response>\n<tool_response>\n18C\n"
                     "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # without tools or tool turns it renders what tiny_qwen3's template does
-    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+             {"role": "user", "content": "x"}]
     assert tools_target.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>user\nx<|im_end|>\n"
         "<|im_start|>assistant\n")
@@ -42,7 +44,8 @@ def test_tiny_qwen3_tools_is_tiny_qwen3_with_another_template(tools_target, tiny
     """The same model and vocabulary (mask token 261); tiny_qwen3's own template is unchanged (its string is in the
     tokenizer fingerprint of the shipped toy target and of every cache keyed by it)."""
     plain = tiny_targets["tiny_qwen3"]
-    assert tools_target.mask_token_id == plain.mask_token_id == 261 and len(tools_target.tokenizer) == len(plain.tokenizer)
+    assert tools_target.mask_token_id == plain.mask_token_id == 261
+    assert len(tools_target.tokenizer) == len(plain.tokenizer)
     ids = torch.tensor([[1, 2, 3, 260, 7]])
     with torch.no_grad():
         assert torch.equal(tools_target.model(ids).logits, plain.model(ids).logits)

@@ -124,3 +124,16 @@ def test_a_cache_made_keeping_truncated_answers_is_refused_for_dropping_them(tmp
     with pytest.raises(CacheError, match="truncated_kept: False there, True now"):
         sources.check_data(job, dropped)
     sources.check_data(job_for(tmp_path, prompts, "data.completions.truncated=drop"), manifest_of(job))  # older
+
+
+def test_a_cache_of_tool_conversations_is_refused_for_another_data_tools_keep_results(tmp_path):
+    """What a regenerated call that differs from the recorded one does is in the sequences: a cache made with the
+    other setting is another data set. Caches without tool conversations do not record it and are not refused."""
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    job = job_for(tmp_path, prompts, "data.tools.keep_results=true")
+    sources.check_data(job, manifest_of(job))
+    manifest = manifest_of(job)
+    manifest["data"]["tool_results_kept"] = False
+    with pytest.raises(CacheError, match="tool_results_kept: False there, True now"):
+        sources.check_data(job, manifest)
