@@ -10,7 +10,8 @@ eval.completions_batch_size (a set made one prompt at a time keeps its key), and
 settings and eval.topk_logits (a greedy set keeps its key), data.completions.stop when set, and for prompts
 with several user turns eval.turns. Every user turn of a conversation is an item of its own (ids <id>,
 <id>:turn2, ...), after the target's own answers to the earlier ones (dflash.data.sequences, all_turns), unless
-eval.turns=first. A training mixture (data.sources) gets an item per prompt and rendering of its sources (thinking
+eval.turns=first; a tool conversation has an item per generation point (dflash.data.tools, data.tools.keep_results in
+the key), and the manifest lists its tool turns (eval.slices' tools). A training mixture (data.sources) gets an item per prompt and rendering of its sources (thinking
 on, off, template switches: dflash.data.mixture.views), ids <view>/<id>, the renderings in the key. The held-out completions are never truncated, so data.max_length plays no part. The features
 folder is per layer set (drafters compared side by side may read different layers).
 """
@@ -32,6 +33,7 @@ from dflash.data.extraction import extract_features
 from dflash.data.mixture import merge, rendering, source_store, views
 from dflash.data.prompts import load_prompts, prompts_hash
 from dflash.data.sequences import prepare_sequences
+from dflash.data.tools import is_tool, turn_count
 from dflash.dist import Dist
 from dflash.errors import CacheError
 from dflash.layout import CacheLayout
@@ -57,7 +59,10 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
             **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}),
             **({"chat_template_kwargs": dict(job.data.chat_template_kwargs)} if job.data.chat_template_kwargs else {}),
             # conversations: which turns are items (one-turn sets keep their keys)
-            **({"turns": job.eval.turns} if any(p.user_turns > 1 for p in prompts) else {}), **sampling_key(job.eval)}
+            **({"turns": job.eval.turns} if any(turn_count(p) > 1 for p in prompts) else {}),
+            # tool conversations: how the target's own calls carry them on
+            **({"tool_results_kept": job.data.tools.keep_results} if any(map(is_tool, prompts)) else {}),
+            **sampling_key(job.eval)}
 
 
 def sampling_key(cfg) -> dict:
@@ -110,7 +115,8 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
             prompts, job.eval.prompts, target, completions, source_store(store, view), dist,
             chat_template=job.data.chat_template, enable_thinking=source.data.enable_thinking, max_length=None,
             regenerate="all_turns" if job.eval.turns == "all" else "first_turn",
-            template_kwargs=source.data.chat_template_kwargs)))
+            template_kwargs=source.data.chat_template_kwargs, tools=job.data.tools,
+            skip_bad_records=job.data.skip_bad_records)))
     prepared = merge(parts)
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
     extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",

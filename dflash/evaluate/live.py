@@ -8,6 +8,9 @@ A conversation (a prompt with later user turns, e.g. MT-Bench's two) is decoded 
 of its own (id <id>:turn2, ...), its earlier answers what the drafted chain decoded before, as the reference
 benchmark does; at temperature 0 they are the target's greedy answers, so each turn's prompt is its held-out
 item's. eval.turns=first decodes the first turn only. `tau_macro` is the mean over requests of each one's tau.
+A tool conversation (dflash.data.tools) is decoded at each of its generation points the same way, the recorded tool
+results following the chain's own calls as they follow the target's in the held-out set; a request that holds or
+makes tool calls is a tool turn (eval.slices' `tools`).
 
 Cost model, per verification (one target forward each, hybrid targets included: no replay):
 `tokens_per_forward` = generated tokens / target forwards (the prompt's included; plain decoding is 1.0),
@@ -30,6 +33,7 @@ from dflash.config import JobConfig
 from dflash.data.mixture import item_id, views
 from dflash.data.prompts import encode, load_prompts, prompt_text, turn_id, turn_messages
 from dflash.data.stops import StopStrings
+from dflash.data.tools import ToolConversations, involves_tools
 from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
@@ -104,24 +108,38 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
-    records, plain_time, ties = [], 0.0, 0
-    turns = [p.user_turns if cfg.turns == "all" else 1 for p in prompts]
+    records, plain_time, ties, requests = [], 0.0, 0, 0
     rendered = [(replace(source, name=name), source.data) for name, source in views(data)]  # a mixture's renderings
 
-    def request(prompt, turn: int, answers: list[str], how) -> torch.Tensor:  # the ids [1, P] a turn continues
-        text = prompt_text(target.tokenizer, turn_messages(prompt, turn, answers), how.chat_template,
-                           how.enable_thinking, how.chat_template_kwargs)
+    def render(how):  # the text of messages (and tools) as the chat template renders them for `how`
+        return lambda messages, tools: prompt_text(target.tokenizer, messages, how.chat_template, how.enable_thinking,
+                                                   how.chat_template_kwargs, tools)
+
+    def request(prompt, messages: list[dict], how) -> torch.Tensor:  # the ids [1, P] a turn continues
+        text = render(how)(messages, prompt.tools)
         return torch.tensor([encode(target.tokenizer, text)], device=target.device)
 
+    # tool conversations, per rendering: their generation points, carried on by the chain's own calls
+    talks = {view.name: ToolConversations(prompts, cfg.prompts, render(how), "all_turns" if cfg.turns == "all"
+                                          else "first_turn", data.tools.keep_results, data.skip_bad_records)
+             for view, how in rendered}
+    turns = {(view.name, p.id): talks[view.name].turns(p) if cfg.turns == "all" else min(1, talks[view.name].turns(p))
+             for view, _ in rendered for p in prompts}
     if cfg.warmup_tokens and prompts:
-        warm_up(drafter, target, request(prompts[0], 0, [], data), min(cfg.warmup_tokens, cfg.max_new_tokens),
-                budgets, cfg.verifier, cfg.selector_beam, seed=cfg.seed, **knobs)
-    progress = Progress(sum(turns) * len(rendered), "live eval", "requests")
+        warm_up(drafter, target, request(prompts[0], prompts[0].messages, data),
+                min(cfg.warmup_tokens, cfg.max_new_tokens), budgets, cfg.verifier, cfg.selector_beam, seed=cfg.seed,
+                **knobs)
+    progress = Progress(sum(turns.values()), "live eval", "requests")
     for (view, how), (n, prompt) in itertools.product(rendered, enumerate(prompts)):
         answers = []  # the conversation's earlier answers: what the drafted chain decoded (the reference's way)
-        for turn in range(turns[n]):
+        talk = talks[view.name]
+        for turn in range(turns[view.name, prompt.id]):
             rid = item_id(view, turn_id(prompt.id, turn))
-            ids = request(prompt, turn, answers, how)
+            messages = talk.messages(prompt, turn) if prompt.id in talk.steps else turn_messages(prompt, turn, answers)
+            if messages is None:  # a tool conversation that ended at a call other than the recorded one
+                break
+            ids, first = request(prompt, messages, how), len(records)  # first: this request's first record
+            requests += 1
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
@@ -138,8 +156,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                     ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
                                                ids.shape[1], tie)
                 if budget is None and tree == "marginal":
-                    answers.append(target.tokenizer.decode(res.output_ids[0, ids.shape[1]:].tolist(),
-                                                           skip_special_tokens=True))
+                    new = res.output_ids[0, ids.shape[1]:].tolist()
+                    answers.append(target.tokenizer.decode(new, skip_special_tokens=True))
+                    cut = len(new) >= cfg.max_new_tokens and (not new or new[-1] not in stops)
                 tot["tokens"] += res.output_ids.shape[1] - ids.shape[1]
                 tot["forwards"] += res.target_forwards
                 tot["verifies"] += len(res.acceptance_lengths)
@@ -151,10 +170,15 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                     records.append({"prompt_id": rid, "tree_budget": budget, "tree": tree, "step": step,
                                     "anchor": anchor, "tau": tau, "draft_tokens": drafts})
                     anchor += tau
+            if involves_tools(messages, answers[-1]):
+                for record in records[first:]:
+                    record["tools"] = True
+            if prompt.id in talk.steps and not talk.answered(prompt, turn, rid, answers[-1], cut):
+                break  # its call is not valid JSON: skipped (data.skip_bad_records)
             progress.update()
     progress.close()
     metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts),
-               "eval/live_requests": sum(turns) * len(rendered),
+               "eval/live_requests": requests,
                "eval/live_ties": ties,
                "eval/live_tokens": totals[None, "marginal"]["tokens"]}
     for (budget, tree), tot in totals.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.prompts import conversation_id
+from dflash.data.tools import tool_items
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
 from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
@@ -37,8 +38,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     """One record per drafted block, by prompt and anchor: target and draft tokens of slots 1..B-1, the
     drafter's top-K tokens and log-probs per slot (K = the largest DDTree budget), streak, `left` and `room`
     (dflash.evaluate.walk), `all_anchors` (a complete block of the every-anchor mean, thinned by
-    eval.anchor_stride and eval.max_blocks) and `walk_start` (the first response position, where decoding
-    drafts its first block).
+    eval.anchor_stride and eval.max_blocks), `walk_start` (the first response position, where decoding
+    drafts its first block) and, for a tool turn the held-out set's manifest lists (dflash.data.tools), `tools`.
 
     Blocks are drafted at every anchor the every-anchor mean samples and at every position the decoding
     walk reaches (the chain's and each DDTree budget's): by default every response position, the last
@@ -64,6 +65,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
     device, dtype = embed.weight.device, next(drafter.parameters()).dtype
     records = []
+    tool_turns = tool_items(getattr(eval_set, "manifest", {}).get("data", {}))  # eval.slices' tools
     items = range(len(eval_set))
     if cfg.max_prompts is not None:  # at most eval.max_prompts prompts, every turn of each conversation
         kept = set(list(dict.fromkeys(conversation_id(pid) for pid in eval_set.ids))[: cfg.max_prompts])
@@ -111,6 +113,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                         "streak": int(streak[j]), "left": length - 1 - p, "room": start + cfg.max_new_tokens - 1 - p,
                         "all_anchors": False, "walk_start": p == start,
                     }
+                    if eval_set.ids[i] in tool_turns:
+                        by_anchor[p]["tools"] = True
                     if stored is not None:
                         by_anchor[p].update(alpha=alpha[j], accept=accept[j])
                     if selector is not None:

@@ -32,3 +32,91 @@ def test_each_block_goes_to_its_slice_and_each_slice_gets_the_walks_tau():
 def test_an_unknown_slice_is_refused():
     with pytest.raises(Exception, match=r"eval.slices\[\*\]"):
         compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[thinkng]"])
+
+
+def tool_job(tmp_path, *overrides, bad: bool = False):
+    """tiny_qwen3_tools evaluated on two tool conversations (tests.data.test_tools: the target calls as recorded in
+    one, another call in the other) and a text prompt (bad: and one whose call is not JSON), sliced by tool turns."""
+    import json
+
+    from tests.data.test_tools import record
+
+    prompts = tmp_path / f"tools{'-bad' if bad else ''}.jsonl"
+    records = [record("same", "Paris"), record("other", "Rome"), {"id": "text", "prompt": "hello"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records + [record("bad", "Oslo")] * bad))
+    return compose("evaluate", ["debug=tiny", "target=tiny_qwen3_tools", f"eval.prompts={prompts}",
+                                "eval.max_new_tokens=24", "eval.max_prompts=3", "eval.ddtree_budgets=[2]",
+                                "eval.slices=[tools]",
+                                f"features.dir={tmp_path}/cache/features", f"run.root={tmp_path}/runs", *overrides])
+
+
+def test_the_heldout_sets_tool_turns_are_the_tools_slice_teacher_forced(tools_target, tmp_path, monkeypatch):
+    """The held-out set's manifest lists its tool turns (a call, an answer to tool results); teacher-forced records
+    of those carry tools: true, and the slice of each kind gets its own blocks."""
+    import torch
+
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.data import completions
+    from dflash.dist import Dist
+    from dflash.drafter.build import build_drafter
+    from dflash.evaluate import heldout
+    from dflash.evaluate.teacher_forced import summarize, teacher_forced
+    from tests.data.test_tools import scripted
+
+    job = tool_job(tmp_path)
+    monkeypatch.setattr(completions, "generate_hf", scripted())
+    heldout.prepare(job, tools_target, [1, 3], Dist())
+    eval_set = heldout.load(job, tools_target, [1, 3])
+    assert sorted(eval_set.ids) == ["other", "same", "same:turn2", "same:turn3", "text"]
+    assert heldout.heldout_key(job, tools_target)["tool_results_kept"] is False
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
+    records = teacher_forced(drafter, tools_target.embed_tokens, tools_target.lm_head, eval_set, job.eval)
+    assert {r["prompt_id"] for r in records if r.get("tools")} == {"same", "same:turn2", "other"}
+    m = summarize(records, 4, [2], slices=slicers(job))["metrics"]
+    assert m["eval/slice/tools/tools/prompts"] == 3 and m["eval/slice/tools/text/prompts"] == 2
+    # another set: the recorded result after another call; a bad record skipped
+    kept = tool_job(tmp_path, "data.tools.keep_results=true", "data.skip_bad_records=true", "eval.max_prompts=4",
+                    bad=True)
+    heldout.prepare(kept, tools_target, [1, 3], Dist())
+    kept_set = heldout.load(kept, tools_target, [1, 3])
+    assert {"other:turn2", "other:turn3"} <= set(kept_set.ids) and not any(i.startswith("bad") for i in kept_set.ids)
+    assert kept_set.manifest["data"]["skipped"]["bad_records"] == 1
+
+
+def test_live_decoding_carries_tool_conversations_on_as_the_heldout_set_does(tools_target, tmp_path, monkeypatch):
+    """Live decoding at each generation point, the recorded result after the chain's own call (the target's outputs
+    scripted as in the held-out set): the requests of the held-out items, tool turns flagged, the conversation
+    whose call differs ended after its first request."""
+    import torch
+
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter
+    from dflash.evaluate import live
+    from dflash.evaluate.decode import SpecResult
+    from tests.data.test_tools import scripted
+
+    answer = scripted()
+    seen = []
+
+    def plain(target, ids, max_new_tokens, **kw):  # the scripted answer
+        text = tools_target.tokenizer.decode(ids[0].tolist())
+        seen.append(text)
+        return torch.cat([ids, torch.tensor([answer(tools_target, [text], None, None)[0]["completion_ids"]])], 1)
+
+    def speculative(drafter, target, ids, max_new_tokens, **kw):  # the same answer, one token a step
+        out = plain(target, ids, max_new_tokens)
+        n = out.shape[1] - ids.shape[1]
+        return SpecResult(out, [1] * n, n + 1, n, [[]] * n)
+
+    monkeypatch.setattr(live, "greedy_generate", plain)
+    monkeypatch.setattr(live, "speculative_generate", speculative)
+    job = tool_job(tmp_path, "eval=live", "eval.warmup_tokens=0", "eval.ddtree_budgets=[]")
+    drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
+    records, summary = live.live_eval(job, drafter, tools_target)
+    assert summary["metrics"]["eval/live_requests"] == 5
+    assert sorted({r["prompt_id"] for r in records}) == ["other", "same", "same:turn2", "same:turn3", "text"]
+    assert {r["prompt_id"] for r in records if r.get("tools")} == {"same", "same:turn2", "other"}
+    # two decodings a request (plain, then speculative): the third is same:turn2's, after the recorded result
+    assert "<tools>" in seen[0] and seen[2].endswith("<tool_response>\n20C\n</tool_response><|im_end|>\n"
+                                                     "<|im_start|>assistant\n<think>\n\n</think>\n\n")
