@@ -42,14 +42,12 @@ SCRIPT = {("Paris", 0): call("Paris"),       # the recorded call: the recorded r
           ("Oslo", 0): '<tool_call>\n{"name": "get_weather", "arguments": {city: Oslo}}\n</tool_call>'}  # not JSON
 
 
-def scripted(calls: list | None = None, fail_after: int | None = None):
+def scripted(calls: list | None = None):
     """A generate_hf that answers from SCRIPT (else "Fine, <point>."), with the end-of-turn id a real generation
-    ends on; fail_after: raise after that many answers (a job killed mid-way)."""
+    ends on; calls: where to list the (question, point) of each answer."""
     def generate(target, texts, cfg, stop_ids):
         out = []
         for text in texts:
-            if fail_after is not None and len(calls) >= fail_after:
-                raise KeyboardInterrupt("killed")
             city = text.split("Weather in ")[1].split("?")[0] if "Weather in " in text else "-"
             point = text.count("<|im_start|>assistant") - 1
             answer = SCRIPT.get((city, point), f"Fine, {point}.")
@@ -149,23 +147,41 @@ def test_a_tools_record_the_template_cannot_render_is_refused_or_skipped(tiny_ta
         prepare(tiny_targets["tiny_qwen3"], normalize([broken]), tmp_path / "b.jsonl")
 
 
-def test_regeneration_of_tool_conversations_resumes_after_a_kill_to_what_one_run_makes(
-        tools_target, tmp_path, monkeypatch):
-    """Killed after 3 of the 7 answers (one prompt a batch: each stored as it finishes), a rerun generates the other 4
-    and ends with the sequences and counts of an uninterrupted run."""
+def resumable():
+    """The prompts and settings the kill test regenerates (tests.data.tools_probe too): 7 answers, one a batch."""
     prompts = normalize([record("same", "Paris"), record("other", "Rome"), {"id": "text", "prompt": "hello"}])
-    kw = {"tools": ToolsConfig(keep_results=True), "batch_size": 1}
+    return prompts, {"tools": ToolsConfig(keep_results=True), "batch_size": 1}
+
+
+def test_regeneration_of_tool_conversations_killed_resumes_to_what_one_run_makes(tools_target, tmp_path, monkeypatch):
+    """Killed (SIGKILL) with 3 or more of the 7 answers stored, each stored as it finishes, a rerun generates only
+    the others and ends with the sequences and counts of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    prompts, kw = resumable()
     monkeypatch.setattr(completions, "generate_hf", scripted())
     whole = prepare(tools_target, prompts, tmp_path / "whole.jsonl", **kw)
-    done: list = []
-    monkeypatch.setattr(completions, "generate_hf", scripted(done, fail_after=3))
-    with pytest.raises(KeyboardInterrupt):
-        prepare(tools_target, prompts, tmp_path / "killed.jsonl", **kw)
-    assert len((tmp_path / "killed.jsonl").read_text().splitlines()) == 3
+    store = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.data.tools_probe", str(store)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not store.exists() or len(store.read_text().splitlines()) < 3:
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stored = {json.loads(line)["id"] for line in store.read_text().splitlines() if line.endswith("}")}
+    assert 3 <= len(stored) < 7
     rest: list = []
     monkeypatch.setattr(completions, "generate_hf", scripted(rest))
-    resumed = prepare(tools_target, prompts, tmp_path / "killed.jsonl", **kw)
-    assert len(rest) == 4 and not set(rest) & set(done)
+    resumed = prepare(tools_target, prompts, store, **kw)
+    assert len(rest) == 7 - len(stored)
     assert [(s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in resumed.sequences] == [
         (s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in whole.sequences]
     assert {k: v for k, v in resumed.info.items() if k != "completions"} == {
