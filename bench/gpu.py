@@ -269,7 +269,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
     peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak), and of
     one more forward and backward alone (no optimizer step), each next to bench.plan's for the same shape."""
     from bench import plan
-    from bench.plan_memory import BACKWARD, PERSISTENT
+    from dflash.train.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer

@@ -15,7 +15,7 @@ JSON.
 
 The drafter is built with build_drafter on the meta device at the real dimensions (exact parameter count,
 nothing allocated), the target likewise (online training keeps it whole on every GPU). The memory model and
-what it assumes: bench/plan_memory.py; cache, host memory, GPU-hours and the recommended set-up per GPU
+what it assumes: dflash/train/memory.py; cache, host memory, GPU-hours and the recommended set-up per GPU
 size: bench/plan_costs.py.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, replace
 from bench import plan_costs
 from bench.plan_config import compose
 from bench.plan_costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from bench.plan_memory import (
+from dflash.train.memory import (
     BUILD_BYTES,
     DENSE_MASK_BYTES,
     MODES,
@@ -36,14 +36,19 @@ from bench.plan_memory import (
     GiB,
     Setup,
     Shape,
+    active_intermediate,
     block_mask_bytes,
     breakdown,
     flex_padded,
     layer_activations,
     max_anchors,
+    moe_experts,
     peak,
     phases,
     sdpa_chunks,
+    setup_of,
+    shape_of,
+    sliding_window,
     state_terms,
     terms,
 )
@@ -160,29 +165,6 @@ TARGETS = {
 }
 
 
-def moe_experts(text) -> tuple[int, int]:
-    """(experts, experts a token runs through) of a text config's MoE layers (dflash.target.identity's reading of
-    the families' spellings); (0, 0) for a dense model, or one whose experts per token the config does not say."""
-    from dflash.target.identity import moe_experts as read_experts
-
-    experts, top_k = read_experts(text)
-    return (experts, top_k) if experts and top_k else (0, 0)
-
-
-def active_intermediate(text) -> int:
-    """The MLP width one token runs through in a target layer (what the forward's MLP transients scale with): the
-    dense intermediate_size, or for MoE top_k x the expert width, plus a shared expert (Qwen3.5/3.6 MoE) and the
-    dense MLP Gemma 4 runs beside its experts. GPT-OSS names its expert width intermediate_size."""
-    experts, top_k = moe_experts(text)
-    if not experts:
-        return int(text.intermediate_size)
-    width = top_k * int(getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
-    width += int(getattr(text, "shared_expert_intermediate_size", None) or 0)
-    if getattr(text, "enable_moe_block", False):  # Gemma 4: dense MLP and experts side by side
-        width += int(text.intermediate_size)
-    return width
-
-
 def active_params(model, text) -> int:
     """Parameters a token runs through: all but the experts it is not routed to (the target forward's FLOPs)."""
     experts, top_k = moe_experts(text)
@@ -200,25 +182,14 @@ def drafter_shape(drafter, vocab: int, tied: bool = False, target=None, tensor_p
     share of a tensor-parallel group of `tensor_parallel`, dflash.target.sharding.sharded_parameters)."""
     from dflash.target.sharding import sharded_parameters
 
-    c, params = drafter.config, list(drafter.parameters())
     extra = {}
     if target is not None:
         model, text = target
         sizes = sorted({id(p): p.numel() for p in model.parameters()}.values(), reverse=True)
         extra = {"target_params": sharded_parameters(model, tensor_parallel),
                  "target_intermediate": active_intermediate(text), "target_active_params": active_params(model, text),
-                 "target_largest": tuple(sizes[:plan_costs.LOADER_THREADS])}
-    return Shape(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                 head_dim=drafter.layers[0].self_attn.head_dim, intermediate=c.intermediate_size,
-                 layers=c.num_hidden_layers, block_size=drafter.block_size, vocab=vocab,
-                 target_layers=len(drafter.target_layer_ids), params=sum(p.numel() for p in params),
-                 layer_params=sum(p.numel() for p in drafter.layers[0].parameters()),
-                 largest_param=max(p.numel() for p in params), tied=tied,
-                 layer_types=tuple(sorted(set(drafter.layer_types))), dflash2=drafter.kind == "dflash2",
-                 selector_rank=(drafter.candidate_selector.predecessor_codebook.shape[1]
-                                if drafter.candidate_selector is not None else 0),
-                 selector_top_k=drafter.candidate_selector.top_k if drafter.candidate_selector is not None else 0,
-                 **extra)
+                 "target_largest": tuple(sizes[:plan_costs.LOADER_THREADS]), "target_window": sliding_window(text)}
+    return shape_of(drafter, vocab, tied, **extra)
 
 
 def target_config(cfg):
@@ -246,7 +217,7 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
     from transformers import AutoModelForCausalLM
 
     from dflash.drafter.build import build_drafter
-    from dflash.target.loading import DTYPES, Target
+    from dflash.target.loading import Target
 
     tcfg, train = job["target"], job["train"]
     text = target_config(tcfg)
@@ -259,14 +230,8 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
         model = AutoModelForCausalLM.from_config(text)  # the causal LM online training keeps whole
     shape = drafter_shape(drafter, V, bool(getattr(text, "tie_word_embeddings", False)), (model, text),
                           tcfg.tensor_parallel)
-    setup = Setup(ctx_len=job["max_length"], num_anchors=train.num_anchors, batch=train.batch_size,
-                  grad_accum=train.grad_accum,
-                  compute=4 if train.mixed_precision == "no" else 2,  # auto is bf16 on a GPU
-                  frozen=DTYPES[tcfg.dtype].itemsize, backend="sdpa" if train.attention == "sdpa" else "flex",
-                  checkpointing=train.gradient_checkpointing, chunk_logits=job["loss"].chunk_logits,
-                  noise=job["noise"].kind != "none", online=train.mode == "online", world=world,
-                  distributed=train.distributed, allowance=allowance_gb * GiB, fragmentation=fragmentation,
-                  tensor_parallel=tcfg.tensor_parallel)
+    setup = setup_of(tcfg, train, job["loss"], job["noise"], job["max_length"], world, allowance_gb * GiB,
+                     fragmentation)
     return drafter, shape, setup
 
 

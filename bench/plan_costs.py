@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.plan_memory import Setup, Shape, max_anchors, peak
+from dflash.train.memory import Setup, Shape, max_anchors, peak
 
 PAPER_SEQUENCES, PAPER_TOKENS = 800_000, 1.2e9  # the DFlash paper's training data, about
 ASSUMED_MFU = 0.35
@@ -256,7 +256,7 @@ def fitting_setup(s: Shape, u: Setup, budget: float) -> dict:
 def recommend(s: Shape, u: Setup, run: Run, cache_bytes: float, gpu_gb: list[float]) -> list[dict]:
     """Per GPU size: the set-up each mode fits with, and the mode to train in: offline where the cache fits
     run.disk_tb (one target forward a sequence instead of one an epoch), else online where it fits."""
-    from bench.plan_memory import GiB
+    from dflash.train.memory import GiB
 
     out, disk = [], cache_bytes <= run.disk_tb * 1e12
     for gb in gpu_gb:

@@ -13,7 +13,7 @@ import yaml
 from bench import plan, plan_costs
 from bench.flops import train_flops
 from bench.plan_costs import Run
-from bench.plan_memory import max_anchors
+from dflash.train.memory import max_anchors
 from tests.conftest import REPO
 
 PAPER = {"sequences": 0, "tokens_per_sequence": 0, "mfu": 0.35}  # the paper's data size, a stated MFU

@@ -58,7 +58,7 @@ def features_and_logits(acc, target, drafter, batch: Batch) -> tuple[torch.Tenso
     """Online, for the soft-label losses (loss=kl, tv, nla, expected_tau): (features float32
     [b, L, n_layers*H], logits [b, L, vocab]) from one target forward."""
     ids = to_device(batch.input_ids, acc.device)
-    out = target_forward(target, ids, drafter.target_layer_ids, logits_to_keep=0)  # right padding: no mask (features.py)
+    out = target_forward(target, ids, drafter.target_layer_ids, logits_to_keep=0)  # right padding: no mask
     return out.features.float(), out.logits
 
 

@@ -1,8 +1,9 @@
-"""The memory model behind bench.plan: bytes per GPU of each part of one training step, and its peak.
+"""The memory model of one training step: bytes per GPU of each part, and its peak. bench.plan prints it (with
+the run's costs); training refuses up front a data.max_length whose step it says does not fit (dflash.train.fit).
 
-The drafter's dimensions come from a build on the meta device (bench/plan.py); activations are the tensors
+The drafter's dimensions come from a build on the meta device (`shape_of`); activations are the tensors
 autograd saves, as model.py, blocks.py and loss.py make them; tests/test_plan.py checks the estimate against
-measured peaks of real steps on CPU. Assumed:
+measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
 - float32 parameters, gradients and AdamW moments; under bf16 autocast (train.mixed_precision auto/bf16,
   the GPU default) linear layers and attention compute in bfloat16, the rest in float32; the features
   arrive on the device in their stored dtype and are upcast there, so the residual stream is float32;
@@ -12,9 +13,14 @@ measured peaks of real steps on CPU. Assumed:
 - offline, the target's frozen embed_tokens and lm_head on the GPU in target.dtype (twice unless tied);
   online, the whole target in target.dtype instead (the drafter borrows the target's own embed_tokens and
   lm_head, so they are not counted again), and its no-grad forward's working set as a phase of its own;
+  nothing [L, L] in it (right padding takes no mask: dflash.target.features) but for a target with sliding-window
+  layers under sdpa, for which transformers builds a dense bool [1, 1, L, L] mask once a sequence reaches the
+  window, and torch's sdpa a copy of it in the target's dtype for each layer's call (eager attention, GPT-OSS's,
+  is not modelled: its [b, heads, L, L] scores are the attention itself);
 - every sequence has data.max_length tokens and train.num_anchors blocks (the padded shape; flex pads
   the context to a multiple of 256); flex attention saves its output and log-sum-exp, no scores; the sdpa
-  path (CPU) saves per chunk of blocks the keys, values and float mask it sees, anchors spread evenly;
+  path (CPU) saves per chunk of blocks the keys, values and float mask it sees, anchors spread evenly, and
+  keeps the chunks' bool masks (one set per layer type) through forward and backward;
 - flex keeps one BlockMask per layer type through the step (int32 tile lists, packed_block_mask); the
   temporaries that build it are freed before the forward, so they never set the peak;
 - gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward;
@@ -63,6 +69,7 @@ class Shape:
     target_intermediate: int = 0  # the target's MLP width a token runs through (MoE: its experts'): forward working set
     target_active_params: int = 0  # of target_params, what a token runs through (MoE: its top-k experts); 0 = all
     target_largest: tuple[int, ...] = ()  # elements of the target's largest tensors, largest first (loading)
+    target_window: int = 0  # the sliding window of the target's sliding-window layers (0: it has none)
     dflash2: bool = False  # DFlash 2: two grouped dynamic convolutions per layer (their weights are in params)
     selector_rank: int = 0  # DFlash 2's selector: codebooks [vocab, rank] (in params, FSDP's root unit)
     selector_top_k: int = 0
@@ -96,6 +103,7 @@ class Setup:
     world: int = 1
     distributed: str = "ddp"
     tensor_parallel: int = 1  # the target sharded over this many GPUs (Shape.target_params is then one GPU's share)
+    target_attention: str = "sdpa"  # target.attn_implementation: sdpa builds dense sliding-window masks
     foreach: bool = True  # AdamW's foreach path (CUDA): a temporary the size of the parameters in the step
     allowance: float = 2 * GiB
     fragmentation: float = 0.1
@@ -204,11 +212,18 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     t = state_terms(s, u)
     t["feature batch (fp32)"] = c * s.target_layers * H * 4 * (2 if u.noise else 1)
     t["flex block masks"] = block_mask_bytes(s, u)["kept"] if u.backend == "flex" else 0
+    # the sdpa path's ChunkedMask: a bool per entry of every chunk, for each layer type, built before the forward
+    # and held (the float masks' conversions keep them for backward) until the backward is done
+    t["sdpa chunk masks (bool)"] = b * sdpa_chunks(s, u)[1] * len(s.layer_types) if u.backend == "sdpa" else 0
     # online, before the drafter's forward: the captured layers' outputs in target.dtype and one target
     # layer's transients (its MLP's gate, up and product; the residual, norm and attention outputs)
     f = u.frozen
     t["target forward working set (online)"] = c * (s.target_layers * H * f + (3 * s.target_intermediate
                                                                                + 4 * H) * f) if u.online else 0
+    # transformers' bool [1, 1, L, L] sliding-window mask (sdpa, from the window on: below it the layer is causal),
+    # and sdpa's copy of it in the target's dtype, [b, 1, L, L], during each layer's call
+    dense = u.online and u.target_attention == "sdpa" and 0 < s.target_window <= u.ctx_len
+    t["target sliding-window mask (online)"] = u.ctx_len ** 2 * (1 + b * f) if dense else 0
     per_layer = layer_activations(s, u)
     # the final norm's input and normalised output, the rows fed to lm_head, an unchunked log-softmax:
     # all freed before the layers' backward
@@ -258,13 +273,14 @@ def phases(s: Shape, u: Setup) -> dict[str, float]:
     acts = t["activations, checkpointing" if u.checkpointing else "activations, no checkpointing"]
     layer = t["recomputed layer (checkpointing)"] if u.checkpointing else 0
     # held through forward and backward: the compute-dtype weight copies, FSDP's gathered units, earlier
-    # micro-batches' gradients
+    # micro-batches' gradients, the sdpa path's bool masks
     held = t["FSDP gathered parameters (fp32)"] + t["autocast weight copies (bf16)"]
-    held += t["gradients kept between micro-batches"]
+    held += t["gradients kept between micro-batches"] + t["sdpa chunk masks (bool)"]
     working = max(t["layer forward working set"], t["layer backward working set"])
     root = s.root_params * 4 if u.sharded else 0  # FSDP: the root's gathered weights and its unsharded gradients
     return {
-        "target forward (online)": t["target forward working set (online)"] + t["gradients kept between micro-batches"],
+        "target forward (online)": (t["target forward working set (online)"] + t["target sliding-window mask (online)"]
+                                    + t["gradients kept between micro-batches"]),
         "loss backward": acts + held + t["loss logits buffer"],
         "drafter layers": (acts - change["loss side"] + layer + held + working + change["lower layers"]
                            + t["FSDP gradients before reduce-scatter"]),
@@ -303,3 +319,64 @@ def max_anchors(s: Shape, u: Setup, budget: float) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def moe_experts(text) -> tuple[int, int]:
+    """(experts, experts a token runs through) of a text config's MoE layers (dflash.target.identity's reading of
+    the families' spellings); (0, 0) for a dense model, or one whose experts per token the config does not say."""
+    from dflash.target.identity import moe_experts as read_experts
+
+    experts, top_k = read_experts(text)
+    return (experts, top_k) if experts and top_k else (0, 0)
+
+
+def active_intermediate(text) -> int:
+    """The MLP width one token runs through in a target layer (what the forward's MLP transients scale with): the
+    dense intermediate_size, or for MoE top_k x the expert width, plus a shared expert (Qwen3.5/3.6 MoE) and the
+    dense MLP Gemma 4 runs beside its experts. GPT-OSS names its expert width intermediate_size."""
+    experts, top_k = moe_experts(text)
+    if not experts:
+        return int(text.intermediate_size)
+    width = top_k * int(getattr(text, "moe_intermediate_size", None) or text.intermediate_size)
+    width += int(getattr(text, "shared_expert_intermediate_size", None) or 0)
+    if getattr(text, "enable_moe_block", False):  # Gemma 4: dense MLP and experts side by side
+        width += int(text.intermediate_size)
+    return width
+
+
+def sliding_window(text) -> int:
+    """The window of a target's sliding-window layers (text config), 0 when it has none."""
+    types = getattr(text, "layer_types", None) or []
+    window = getattr(text, "sliding_window", None)
+    return int(window) if window and "sliding_attention" in types else 0
+
+
+def shape_of(drafter, vocab: int, tied: bool = False, **target) -> Shape:
+    """The Shape of a DFlashDraftModel on any device, meta included; `target`: the target's fields of Shape that
+    online training needs (target_params, target_intermediate, ...), else none."""
+    c, params = drafter.config, list(drafter.parameters())
+    selector = drafter.candidate_selector
+    return Shape(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                 head_dim=drafter.layers[0].self_attn.head_dim, intermediate=c.intermediate_size,
+                 layers=c.num_hidden_layers, block_size=drafter.block_size, vocab=vocab,
+                 target_layers=len(drafter.target_layer_ids), params=sum(p.numel() for p in params),
+                 layer_params=sum(p.numel() for p in drafter.layers[0].parameters()),
+                 largest_param=max(p.numel() for p in params), tied=tied,
+                 layer_types=tuple(sorted(set(drafter.layer_types))), dflash2=drafter.kind == "dflash2",
+                 selector_rank=selector.predecessor_codebook.shape[1] if selector is not None else 0,
+                 selector_top_k=selector.top_k if selector is not None else 0, **target)
+
+
+def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowance: float = 2 * GiB,
+             fragmentation: float = 0.1) -> Setup:
+    """The Setup of a configured step (the target, train, loss and noise config groups, data.max_length) on one of
+    `world` processes; train.attention=auto and mixed_precision=auto are what they are on a GPU (flex, bf16)."""
+    from dflash.target.loading import DTYPES
+
+    return Setup(ctx_len=max_length, num_anchors=train.num_anchors, batch=train.batch_size,
+                 grad_accum=train.grad_accum, compute=4 if train.mixed_precision == "no" else 2,
+                 frozen=DTYPES[target.dtype].itemsize, backend="sdpa" if train.attention == "sdpa" else "flex",
+                 checkpointing=train.gradient_checkpointing, chunk_logits=loss.chunk_logits,
+                 noise=noise.kind != "none", online=train.mode == "online", world=world,
+                 distributed=train.distributed, allowance=allowance, fragmentation=fragmentation,
+                 tensor_parallel=target.tensor_parallel, target_attention=target.attn_implementation)
