@@ -1,25 +1,30 @@
-"""Online training's up-front check: does the target fit each process's device beside the drafter?
+"""Training's up-front checks, before the target is loaded: does a step fit each process's device?
 
 Online training (train.mode=online) keeps the frozen target on every process's device: whole, or its share of
 a tensor-parallel group (target.tensor_parallel; the drafter borrows the target's embed_tokens and lm_head as
 plain tensors either way). Qwen3.6-27B in bf16 is 50 GiB; beside a 1.8 B-parameter
 drafter under DDP (34 GiB of float32 weights, gradients, AdamW moments and DDP's gradient buckets) that is
-more than an 80 GB GPU holds before the first activation. The run stops here, before the target is loaded,
-naming the figures and the ways out.
+more than an 80 GB GPU holds before the first activation (`check_online_fit`). Then the whole step at
+data.max_length, by the memory plan's peak (dflash.train.memory, what `python -m bench.plan` prints): activations
+grow with the length, and a 32k-token step can be 10 GiB more than a 3k one (`check_length_fit`). Each run stops
+here naming the figures and the ways out.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from dflash.config import JobConfig
+from dflash.errors import ConfigError
 from dflash.target import placement
 from dflash.target.loading import DTYPES, Target, read_config
+from dflash.train import memory
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +38,9 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def drafter_parameters(job: JobConfig, text_config) -> int | None:
-    """The drafter's parameter count, from a build on the meta device (nothing allocated); None when
-    drafter.init_from has no config.json (loading it later says what is missing)."""
+def meta_drafter(job: JobConfig, text_config):
+    """The configured drafter built on the meta device (nothing allocated); None when drafter.init_from has no
+    config.json (loading it later says what is missing)."""
     from dflash.drafter.build import build_drafter
     from dflash.drafter.model import DFlashDraftModel
 
@@ -44,14 +49,18 @@ def drafter_parameters(job: JobConfig, text_config) -> int | None:
             folder = Path(job.drafter.init_from).expanduser()
             if not (folder / "config.json").exists():
                 return None
-            drafter = DFlashDraftModel(DFlashDraftModel.config_class.from_pretrained(str(folder)))
-        else:
-            H, V = text_config.hidden_size, text_config.vocab_size
-            heads = Target(model=None, tokenizer=None, config=text_config, layers=None, final_norm=None,
-                           embed_tokens=nn.Embedding(V, H), lm_head=nn.Linear(H, V, bias=False),
-                           mask_token_id=job.target.mask_token_id, path=job.target.path)
-            drafter = build_drafter(job.drafter, job.layers, heads)
-    return sum(p.numel() for p in drafter.parameters())
+            return DFlashDraftModel(DFlashDraftModel.config_class.from_pretrained(str(folder)))
+        H, V = text_config.hidden_size, text_config.vocab_size
+        heads = Target(model=None, tokenizer=None, config=text_config, layers=None, final_norm=None,
+                       embed_tokens=nn.Embedding(V, H), lm_head=nn.Linear(H, V, bias=False),
+                       mask_token_id=job.target.mask_token_id, path=job.target.path)
+        return build_drafter(job.drafter, job.layers, heads)
+
+
+def drafter_parameters(job: JobConfig, text_config) -> int | None:
+    """The drafter's parameter count (`meta_drafter`), None without a config.json to build it from."""
+    drafter = meta_drafter(job, text_config)
+    return None if drafter is None else sum(p.numel() for p in drafter.parameters())
 
 
 def drafter_state(job: JobConfig, params: int, world: int) -> tuple[int, str]:
@@ -102,3 +111,56 @@ def check_online_fit(job: JobConfig, device: torch.device) -> None:
              f"whole step's memory"))
     log.info("online training: target %s (%s) and the drafter's state (%s) fit %s", job.target.name,
              placement.gib(target_bytes), placement.gib(state[0]), device)
+
+
+def planned_step(job: JobConfig):
+    """(Shape, Setup) of the configured step on one of this launch's processes (dflash.train.memory, as bench.plan
+    builds them), or None when the drafter cannot be built yet (drafter.init_from without config.json). Reads
+    config files, no weights."""
+    _, _, hf_config = read_config(job.target)
+    text = hf_config.get_text_config()
+    drafter = meta_drafter(job, text)
+    if drafter is None:
+        return None
+    online = {}
+    if job.train.mode == "online":
+        online = {"target_params": placement.parameter_count(hf_config, job.target.trust_remote_code,
+                                                             job.target.tensor_parallel),
+                  "target_intermediate": memory.active_intermediate(text), "target_window": memory.sliding_window(text)}
+    shape = memory.shape_of(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), **online)
+    return shape, memory.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size())
+
+
+def check_length_fit(job: JobConfig, device: torch.device) -> None:
+    """Refuse a data.max_length whose step the memory plan says does not fit `device` (CUDA devices only), in one
+    line: the planned peak, the device's memory and the fixes with their figures (the longest data.max_length and
+    the most train.num_anchors that fit, gradient checkpointing, FSDP)."""
+    budget = placement.device_memory(device)
+    planned = None if budget is None else planned_step(job)
+    if planned is None:
+        return
+    shape, setup = planned
+    need, phase = memory.peak(shape, setup)
+    if need <= budget:
+        return
+    # the longest multiple of 256 tokens that fits (the peak grows with the length): lo fits, hi does not
+    fits = lambda k: memory.peak(shape, replace(setup, ctx_len=256 * k))[0] <= budget  # noqa: E731
+    lo, hi = 0, -(-setup.ctx_len // 256)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    anchors = memory.max_anchors(shape, setup, budget)
+    fixes = [f"data.max_length={256 * lo} (the longest that fits)" if lo else "a lower data.max_length",
+             *([f"train.num_anchors={anchors} (the most that fit)"] if anchors else [])]
+    if not setup.checkpointing:
+        fixes.append(f"train.gradient_checkpointing=true (peak {gib_at(shape, setup, checkpointing=True)})")
+    if not setup.sharded and setup.world > 1:
+        fixes.append(f"train.distributed=fsdp (peak {gib_at(shape, setup, distributed='fsdp')})")
+    raise ConfigError(f"data.max_length={setup.ctx_len}: a training step of that length is planned to peak at "
+                      f"{placement.gib(need)} a process (at {phase}; `python -m bench.plan` gives every term), more "
+                      f"than {device}'s {placement.gib(budget)}; set {', or '.join(fixes)}")
+
+
+def gib_at(shape, setup, **change) -> str:
+    """The planned peak, in GiB, of `setup` with `change` (dataclasses.replace's keywords)."""
+    return placement.gib(memory.peak(shape, replace(setup, **change))[0])

@@ -23,7 +23,7 @@ from dflash.provenance import check_provenance, differences, features_manifest, 
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.train.batches import CachedSource, SequenceSource
-from dflash.train.fit import check_online_fit
+from dflash.train.fit import check_length_fit, check_online_fit
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,11 @@ def training_target(job: JobConfig, device: torch.device) -> tuple[Target, list[
     """The target as training needs it, and the layer ids the drafter reads. Offline training with
     a complete feature cache and held-out set needs only embed_tokens and lm_head; anything still
     to extract (or online mode) needs the whole model: online, on every process's device beside the
-    drafter, refused before loading when it cannot fit there."""
+    drafter, refused before loading when it cannot fit there, as is a data.max_length whose step cannot."""
     offline = job.train.mode == "offline"
     if not offline:
         check_online_fit(job, device)
+    check_length_fit(job, device)
     target = load_target(job.target, device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
     if target.model is None and not (fcache.is_complete(job.features.dir)

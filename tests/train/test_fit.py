@@ -1,5 +1,7 @@
 """Online training's up-front check that the whole target fits each process's device beside the drafter."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -73,6 +75,7 @@ def test_tiny_online_target_is_refused_by_a_byte_and_loaded_when_it_fits(tiny_ta
     with pytest.raises(ConfigError, match=rf"target tiny_qwen3 {placement.gib(target_bytes)} .*float32\)"):
         sources.training_target(job, torch.device("cpu"))
     memory["bytes"] = need
+    monkeypatch.setattr(sources, "check_length_fit", lambda job, device: None)  # the whole step: its own test below
     target, _ = sources.training_target(job, torch.device("cpu"))
     assert target.model is not None
 
@@ -85,3 +88,43 @@ def test_drafter_state_per_process(dflash_home):
     assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 2_000  # sharded state + gathered bf16 weights
     job.train.mixed_precision = "no"
     assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 4_000
+
+
+def test_a_max_length_whose_planned_step_does_not_fit_is_refused_in_one_line_before_loading(monkeypatch, no_loading):
+    """Qwen3.6-27B online at 32768 tokens, the whole target on each of 8 GPUs (FSDP, checkpointing, 512 anchors):
+    the plan's step peaks at 83.3 GiB, more than an 80 GB GPU's 79.2, though the target and the drafter's state
+    alone fit; refused in one line naming data.max_length, the peak and the fixes with their figures. At 3072
+    tokens, on an H200, or on a CPU (nothing is checked there) the run goes on to loading."""
+    import transformers
+
+    from bench import plan
+    from bench.plan import TARGETS
+
+    cls, dims = TARGETS["qwen3_6_27b"]
+    monkeypatch.setattr(fit, "read_config", lambda cfg: ("Qwen/Qwen3.6-27B", None, getattr(transformers, cls)(**dims)))
+    monkeypatch.setattr(fit, "world_size", lambda: 8)
+    overrides = ["experiment=qwen3_6_27b", "train.mode=online", "train.distributed=fsdp",
+                 "train.gradient_checkpointing=true", "train.num_anchors=512", "target.tensor_parallel=1"]
+    job = compose("train", [*overrides, "data.max_length=32768", "data.prompts=x.jsonl"])
+    memory = {"gib": H100}
+    monkeypatch.setattr(placement, "device_memory", lambda device: memory["gib"] if device.type == "cuda" else None)
+    with pytest.raises(ConfigError) as refused:
+        sources.training_target(job, torch.device("cuda", 0))
+    message = str(refused.value)
+    drafter, shape, setup = plan.build(plan.compose([*overrides, "data.max_length=32768"]), world=8)
+    assert f"{plan.peak(shape, setup)[0] / GiB:.1f} GiB" == "83.3 GiB"  # bench.plan's figure, the same
+    assert "\n" not in message and message.startswith("data.max_length=32768: ")
+    assert "planned to peak at 83.3 GiB a process" in message and "more than cuda:0's 79.2 GiB" in message
+    most = plan.max_anchors(shape, setup, H100)  # 141 at the plan's 80 GiB; a GPU's 79.2 GiB holds fewer
+    assert f"train.num_anchors={most} (the most that fit)" in message and most == 51
+    assert "set data.max_length=17664 (the longest that fits), or train.num_anchors=" in message
+    at = lambda n: plan.peak(shape, replace(setup, ctx_len=n))[0]  # noqa: E731
+    assert at(17664) <= H100 < at(17664 + 256)
+    for line in ("gradient_checkpointing", "distributed=fsdp"):  # set already: not offered
+        assert line not in message.partition("; set ")[2]
+    for device, gib, length in ((torch.device("cuda", 0), H100, 3072), (torch.device("cuda", 0), H200, 32768),
+                                (torch.device("cpu"), H100, 32768)):
+        memory["gib"] = gib
+        job.data.max_length = length
+        with pytest.raises(Loaded):
+            sources.training_target(job, device)
