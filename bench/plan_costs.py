@@ -158,12 +158,21 @@ def tool_written(path: Path):
     return data
 
 
+CHECKPOINTED_WHEN_MEASURED = {"qwen3_6_27b": True, "qwen3_6_27b_dflash2": True}
+"""Presets whose steps were measured before preset_step recorded "checkpointing" (the 2026-12-04 H200 results, at
+3072 tokens), and whether those steps checkpointed: the presets have changed since (32768 tokens, the target
+sharded, no checkpointing), so their overrides composed today would misread the steps."""
+
+
 def recomputed(result: dict, overrides: list[str]) -> bool:
     """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu.py's preset_step
-    records it), else what its overrides compose to (a preset step of an older result), else False (the flex
-    steps at Qwen3-8B size never checkpoint)."""
+    records it), else CHECKPOINTED_WHEN_MEASURED for its preset, else what its overrides compose to (a preset step
+    of an older result), else False (the flex steps at Qwen3-8B size never checkpoint)."""
     if isinstance(result.get("checkpointing"), bool):
         return result["checkpointing"]
+    for o in overrides:
+        if o.partition("=")[0] in ("experiment", "+experiment") and o.partition("=")[2] in CHECKPOINTED_WHEN_MEASURED:
+            return CHECKPOINTED_WHEN_MEASURED[o.partition("=")[2]]
     return bool(overrides) and all("=" in o for o in overrides) and _composed_checkpointing(tuple(overrides))
 
 

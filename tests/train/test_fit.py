@@ -42,7 +42,8 @@ def test_qwen3_6_27b_online_under_ddp_on_80gb_is_refused_before_loading(monkeypa
     assert counted == 26_895_998_464  # 50.1 GiB in bf16, the plan's "target model (online)"
     monkeypatch.setattr(placement, "parameter_count", lambda config, trust_remote_code=False, tensor_parallel=1: counted)
     job = compose("train", ["experiment=qwen3_6_27b", "train.mode=online", "train.distributed=ddp",
-                            "data.prompts=x.jsonl"])
+                            "data.prompts=x.jsonl", "target.tensor_parallel=1", "data.max_length=3072",
+                            "train.gradient_checkpointing=true"])  # the whole target, at the paper's length
     memory = {"gib": H100}
     monkeypatch.setattr(placement, "device_memory", lambda device: memory["gib"])
     with pytest.raises(ConfigError) as refused:
