@@ -29,6 +29,9 @@ class OptimConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    fused: str = "auto"
+    """AdamW's fused kernel (one kernel over every tensor, no foreach temporary the size of the parameters at the
+    step's peak): auto (on CUDA; elsewhere the default foreach/for-loop, so CPU runs keep their numbers), true, false."""
     schedule: str = "cosine"
     """cosine or constant (after warmup)."""
     warmup_ratio: float = 0.04
@@ -44,6 +47,7 @@ class OptimConfig:
         positive("optim.muon_lr", self.muon_lr)
         one_of("optim.muon_adjust_lr", self.muon_adjust_lr, {"original", "match_rms_adamw"})
         one_of("optim.schedule", self.schedule, {"cosine", "constant"})
+        one_of("optim.fused", str(self.fused).lower(), {"auto", "true", "false"})
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"optim.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if not 0 <= self.min_lr_ratio <= 1:

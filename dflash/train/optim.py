@@ -30,6 +30,15 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2 and "norm" not in name and "base_kernel" not in name
 
 
+def use_fused(cfg: OptimConfig) -> bool | None:
+    """AdamW's `fused` argument for optim.fused: auto is fused where CUDA runs the step (the parameters move there
+    after the optimizer is built), else torch's default (None: foreach on CUDA, a loop elsewhere)."""
+    setting = str(cfg.fused).lower()
+    if setting == "auto":
+        return True if torch.cuda.is_available() else None
+    return setting == "true"
+
+
 def check_optimizer(cfg: OptimConfig, fsdp: bool) -> None:
     """optim=muon runs under DDP (or one process) only: FSDP shards the matrices Muon orthogonalises whole,
     and its optimizer checkpoints expect one torch optimizer's state layout, not MuonAdamW's."""
@@ -59,7 +68,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if codebooks:
         groups.append({"params": codebooks, "weight_decay": codebook_decay})
-    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=use_fused(cfg))
     if cfg.name != "muon":
         return adamw
     if not muon:

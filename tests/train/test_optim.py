@@ -223,3 +223,15 @@ def test_muon_under_fsdp_is_refused_naming_the_fix():
     check_optimizer(OptimConfig(), fsdp=True)
     with pytest.raises(ConfigError, match="optim=muon is not supported with FSDP.*optim=adamw"):
         check_optimizer(MUON, fsdp=True)
+
+
+def test_adamw_is_fused_on_cuda_and_as_before_elsewhere(monkeypatch):
+    """optim.fused=auto: fused where CUDA runs the step (no foreach temporary the size of the parameters at the
+    step's peak), torch's default on a CPU (so CPU runs keep their numbers); true and false force it."""
+    model = torch.nn.Linear(4, 4)
+    assert build_optimizer(model, OptimConfig()).defaults["fused"] is None
+    assert build_optimizer(model, OptimConfig(fused="false")).defaults["fused"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_optimizer(model, OptimConfig()).defaults["fused"] is True
+    with pytest.raises(ConfigError, match="optim.fused"):
+        OptimConfig(fused="sometimes")
