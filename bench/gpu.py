@@ -277,14 +277,14 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
     from dflash.train.optim import build_optimizer
 
     job, shape, setup = preset_job(overrides)
-    setup = replace(setup, foreach=device.type == "cuda")  # AdamW's default: foreach on CUDA tensors only
+    optim = OptimConfig()  # the training default: AdamW fused on CUDA (optim.fused=auto), no foreach temporary
+    setup = replace(setup, foreach=False)
     drafter, embed, head = preset_drafter(job, device)
     drafter.gradient_checkpointing = setup.checkpointing  # as dflash.train.loop turns it on
     drafter.train()
     L, n = setup.ctx_len, setup.num_anchors
     blocks, clean = make_batch(drafter, L, n, device, spread=True)
     feats = add_noise(clean, job["noise"], len(drafter.target_layer_ids), 0, 0, [0])
-    optim = OptimConfig()
     opt = build_optimizer(drafter, optim)
     gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
 

@@ -231,7 +231,7 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
     shape = drafter_shape(drafter, V, bool(getattr(text, "tie_word_embeddings", False)), (model, text),
                           tcfg.tensor_parallel)
     setup = setup_of(tcfg, train, job["loss"], job["noise"], job["max_length"], world, allowance_gb * GiB,
-                     fragmentation)
+                     fragmentation, job.get("optim"))
     return drafter, shape, setup
 
 

@@ -18,7 +18,7 @@ def compose(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = hydra_compose(config_name="train", overrides=overrides)
     # group by group: the data group may lack what only a real run needs (data.prompts)
-    job = {k: OmegaConf.to_object(cfg[k]) for k in ("target", "drafter", "layers", "loss", "noise", "train")}
+    job = {k: OmegaConf.to_object(cfg[k]) for k in ("target", "drafter", "layers", "loss", "noise", "train", "optim")}
     d = cfg.data
     data = {"prompts": None if OmegaConf.is_missing(d, "prompts") else d.prompts, "format": d.format,
             "split": d.split, "limit": d.limit, "offset": d.offset}

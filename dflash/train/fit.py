@@ -128,7 +128,8 @@ def planned_step(job: JobConfig):
                                                              job.target.tensor_parallel),
                   "target_intermediate": memory.active_intermediate(text), "target_window": memory.sliding_window(text)}
     shape = memory.shape_of(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), **online)
-    return shape, memory.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size())
+    return shape, memory.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size(),
+                                  optim=job.optim)
 
 
 def check_length_fit(job: JobConfig, device: torch.device) -> None:

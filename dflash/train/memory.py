@@ -35,7 +35,8 @@ measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k toke
   micro-batches before the last run under no_sync, where FSDP2 keeps the whole unsharded gradients;
 - the peak is the largest of five phases: the online target's forward, the loss backward (all activations
   and a chunk of logits), the drafter layers (a layer's forward or backward working set on top), the end of
-  backward (all gradients) and the optimizer step (AdamW's foreach temporaries on CUDA).
+  backward (all gradients) and the optimizer step (AdamW fused on CUDA by default, optim.fused: a tensor's
+  temporaries at a time; its foreach path, optim.fused=false, a temporary the size of the parameters).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Setup:
     distributed: str = "ddp"
     tensor_parallel: int = 1  # the target sharded over this many GPUs (Shape.target_params is then one GPU's share)
     target_attention: str = "sdpa"  # target.attn_implementation: sdpa builds dense sliding-window masks
-    foreach: bool = True  # AdamW's foreach path (CUDA): a temporary the size of the parameters in the step
+    foreach: bool = False  # AdamW's foreach path (optim.fused=false on CUDA): a temporary the size of the parameters
     allowance: float = 2 * GiB
     fragmentation: float = 0.1
 
@@ -368,7 +369,7 @@ def shape_of(drafter, vocab: int, tied: bool = False, **target) -> Shape:
 
 
 def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowance: float = 2 * GiB,
-             fragmentation: float = 0.1) -> Setup:
+             fragmentation: float = 0.1, optim=None) -> Setup:
     """The Setup of a configured step (the target, train, loss and noise config groups, data.max_length) on one of
     `world` processes; train.attention=auto and mixed_precision=auto are what they are on a GPU (flex, bf16)."""
     from dflash.target.loading import DTYPES
@@ -379,4 +380,5 @@ def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowa
                  checkpointing=train.gradient_checkpointing, chunk_logits=loss.chunk_logits,
                  noise=noise.kind != "none", online=train.mode == "online", world=world,
                  distributed=train.distributed, allowance=allowance, fragmentation=fragmentation,
-                 tensor_parallel=target.tensor_parallel, target_attention=target.attn_implementation)
+                 tensor_parallel=target.tensor_parallel, target_attention=target.attn_implementation,
+                 foreach=optim is not None and str(optim.fused).lower() == "false")
