@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 
 
 class OracleDrafter(DFlashDraftModel):

@@ -1,4 +1,6 @@
-"""Build a drafter for a target from the typed config, and check that a drafter fits a target."""
+"""Build a drafter for a target from the typed config (its config.json sized after the target: `drafter_config`),
+save and load it in z-lab layout, and check that a drafter fits a target. model.py keeps what an exported
+checkpoint runs; the config side is here."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from transformers import Qwen3Config
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter import dflash2
-from dflash.drafter.model import (SCALE_KEYS, SLIDING_RULE, DFlash2DraftModel, DFlashDraftModel, Scales,
-                                  drafter_config, is_dflash2)
+from dflash.drafter.dflash2 import DFLASH2_KEYS
+from dflash.drafter.model import (FULL, SCALE_KEYS, SLIDING_RULE, AttentionRule, DFlash2DraftModel,
+                                  DFlashDraftModel, Scales, attention_keys, is_dflash2)
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout
@@ -54,6 +58,98 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
     if successor_init == "zero" and drafter.candidate_selector is not None:
         torch.nn.init.zeros_(drafter.candidate_selector.successor_codebook)
     return drafter
+
+
+def base_value(config, name: str, default=None):
+    """config.<name>, or where transformers keeps per-layer values of it (Gemma 4's full-attention layers have
+    their own head width and key/value heads, and reading the global one raises) the value the other layers
+    share, which is what config.json states at the top level."""
+    try:
+        return getattr(config, name, default)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return config.to_dict().get(name, default)
+
+
+SCALED_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")
+"""Rope types whose scaling a drafter copies from its target (what its positions mean at long context)."""
+
+
+def drafter_rope(target_config) -> dict:
+    """The drafter's rope: the target's theta, and its scaling where it has one (Llama 3.1's llama3, GPT-OSS's
+    yarn; the published gpt-oss drafters carry the target's yarn). Not its partial rotary factor or multimodal
+    sections (Qwen3.5's drafters rotate whole heads). Gemma 4 keeps a rope per layer type: its full-attention
+    layers' theta (1e6, the published Gemma 4 drafters')."""
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type
+        rope = dict(rope["full_attention"])
+    theta = float(rope.get("rope_theta") or getattr(target_config, "rope_theta", None) or 1_000_000.0)
+    if rope.get("rope_type") not in SCALED_ROPE:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {k: v for k, v in {**rope, "rope_theta": theta}.items()
+            if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")}
+
+
+def drafter_config(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    dflash2: dict | None = None,
+    sliding_causal: bool = True,
+    scales: Scales = Scales(),
+) -> Qwen3Config:
+    """A z-lab drafter config sized after a target's text config (any Qwen-style model).
+
+    dflash2: {conv_kernel_size, conv_group_size, selector_rank, selector_top_k} makes a DFlash 2 config
+    (architectures DFlash2DraftModel, those keys and block_size in dflash_config, as published).
+    sliding_causal: whether sliding_attention layers are causal inside the block (full_attention layers never
+    are). The attention keys every server reads (is_causal, dflash_config.causal/use_swa/swa_window_size) are
+    written explicitly (`attention_keys`). scales: the target's (dflash.target.scales), written into dflash_config
+    where they are not the identity."""
+    base = lambda name, default=None: base_value(target_config, name, default)  # noqa: E731
+    heads = num_attention_heads or base("num_attention_heads")
+    types = list(layer_types) if layer_types else ["full_attention"] * num_layers
+    dflash = {"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)}
+    if dflash2:
+        dflash.update({k: int(dflash2[k]) for k in DFLASH2_KEYS}, block_size=int(block_size))
+    rules = [AttentionRule(sliding_causal, sliding_window) if t == "sliding_attention" else FULL for t in types]
+    keys = attention_keys(rules)
+    dflash.update(keys.pop("dflash_config"), **scales.keys())
+    return Qwen3Config(
+        architectures=["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        # a target with no dense MLP (Qwen3.5/3.6 MoE): 3 x hidden, the published Qwen3.6-35B-A3B drafter's width
+        intermediate_size=intermediate_size or base("intermediate_size") or 3 * target_config.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=num_key_value_heads or base("num_key_value_heads"),
+        head_dim=head_dim or base("head_dim") or target_config.hidden_size // heads,
+        hidden_act=getattr(target_config, "hidden_act", "silu"),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=drafter_rope(target_config),
+        attention_bias=bool(getattr(target_config, "attention_bias", False)),
+        tie_word_embeddings=False,
+        use_sliding_window="sliding_attention" in types,
+        sliding_window=sliding_window,
+        max_window_layers=num_layers,
+        layer_types=types,
+        block_size=block_size,
+        num_target_layers=target_config.num_hidden_layers,
+        dflash_config=dflash,
+        **keys,
+        **scales.keys(),
+        **({"dflash_sliding_attention": SLIDING_RULE} if "sliding_attention" in types else {}),
+    )
 
 
 def _scales(target) -> Scales:

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.drafter.model import AttentionRule, DFlashDraftModel, attention_rules, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import AttentionRule, DFlashDraftModel, attention_rules
 from tests.drafter.test_model import TARGET
 from tests.zlab import reference
 

@@ -12,7 +12,8 @@ from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.ddtree import build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.selector_loss import selector_ce
 from tests.drafter.test_blocks import assert_packed_equals_one_block
 from tests.drafter.test_model import TARGET, inputs

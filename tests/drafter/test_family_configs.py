@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.drafter.build import load_drafter, save_drafter
-from dflash.drafter.model import AttentionRule, DFlashDraftModel, Scales, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import AttentionRule, DFlashDraftModel, Scales
 from dflash.target.builtin import TINY
 from tests.drafter.test_model import inputs
 from tests.zlab import reference

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash.drafter.build import load_drafter
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.errors import CheckpointError
 
 TARGET = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=12,

@@ -8,7 +8,8 @@ from torch import nn
 
 from dflash.drafter.build import check_fits, load_drafter, save_drafter
 from dflash.drafter.loss import block_terms, slot_weights
-from dflash.drafter.model import DFlashDraftModel, Scales, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel, Scales
 from dflash.target.loading import Target
 from dflash.target.scales import target_scales
 from tests.drafter.test_model import TARGET, inputs

@@ -213,7 +213,8 @@ def test_drafter_that_does_not_fit_the_target_is_refused(trained):
 def _drafter_for_36_layers(tmp) -> Path:
     from transformers import Qwen3Config
 
-    from dflash.drafter.model import DFlashDraftModel, drafter_config
+    from dflash.drafter.build import drafter_config
+    from dflash.drafter.model import DFlashDraftModel
 
     cfg = Qwen3Config(vocab_size=262, hidden_size=64, intermediate_size=64, num_hidden_layers=36,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -118,7 +118,8 @@ def test_drafter_sized_after_target(tiny_target):
 def test_drafter_of_another_width_is_refused(tiny_targets):
     from transformers import Qwen3Config
 
-    from dflash.drafter.model import DFlashDraftModel, drafter_config
+    from dflash.drafter.build import drafter_config
+    from dflash.drafter.model import DFlashDraftModel
 
     wide = Qwen3Config(vocab_size=262, hidden_size=96, intermediate_size=64, num_hidden_layers=8,
                        num_attention_heads=4, num_key_value_heads=2)
