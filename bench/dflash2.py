@@ -23,7 +23,8 @@ from bench.measure import time_call
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.selector_loss import SelectorOptions
 
 SHAPES = {

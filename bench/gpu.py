@@ -5,7 +5,7 @@ suites. (The target side, kernels and live decoding, is bench/gpu_target.py.)
 - `flex_lengths`: the compiled flex training step at Qwen3-8B drafter size over several context
   lengths: tokens/s, MFU against the GPU's bf16 peak, peak memory, and what dynamo compiled per length.
 - `preset_step`: one experiment preset's training step at its configured shape (the Qwen3.6-27B
-  drafter at 3072 tokens and 512 anchors), its peak memory next to bench.plan's estimate.
+  drafter at 3072 tokens and 512 anchors), its peak memory next to the plan's estimate.
 - `autocast_gap`: one batch through bf16 autocast and through float32, same weights and features.
 """
 
@@ -17,12 +17,13 @@ from dataclasses import replace
 
 import torch
 
-from bench.flops import train_flops
 from bench.measure import TensorPeak, timed
-from bench.plan import TARGETS
 from dflash.drafter.blocks import draft_packed, flex_padded_shape, pack_blocks, sample_anchors
 from dflash.drafter.loss import block_terms
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
+from dflash.plan.flops import train_flops
+from dflash.plan.targets import TARGETS
 
 # Qwen3-8B (the target, as the memory plan holds its published config) and a small stand-in of the same
 # shape for CPU smoke runs
@@ -74,7 +75,7 @@ def make_drafter(dims: dict, device, num_layers: int = 5):
 
 def make_batch(drafter, length: int, num_anchors: int, device, seed: int = 0, spread: bool = False):
     """One sequence of `length` tokens, all response, `num_anchors` blocks (sampled, or with `spread`
-    evenly over the sequence, as bench.plan assumes), and float32 features that are exactly bf16 values
+    evenly over the sequence, as the plan assumes), and float32 features that are exactly bf16 values
     (so a bf16 and a float32 run see the same numbers)."""
     g = torch.Generator().manual_seed(seed)
     vocab, width = drafter.config.vocab_size, drafter.fc.in_features
@@ -232,10 +233,10 @@ def flex_lengths(lengths: list[int], num_anchors: int, budget_s: float, device, 
 
 
 def preset_job(overrides: list[str]):
-    """(job, Shape, Setup) of bench.plan for an experiment preset: the config groups train.py composes,
+    """(job, Shape, Setup) of the plan (dflash.plan) for an experiment preset: the config groups train.py composes,
     and the shape and step the plan estimates, for one sequence (batch 1, no accumulation, no
     allowance or fragmentation: what the allocator counts)."""
-    from bench import plan
+    from dflash import plan
 
     job = plan.compose(overrides)
     _, shape, setup = plan.build(job)
@@ -247,7 +248,7 @@ def preset_drafter(job: dict, device):
     in target.dtype, random, made on `device`."""
     from torch import nn
 
-    from bench.plan import target_config
+    from dflash.plan.targets import target_config
     from dflash.drafter.build import build_drafter
     from dflash.target.loading import DTYPES, Target
 
@@ -269,9 +270,9 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
     flex unless train.attention=sdpa; clipping and AdamW as training runs them): time of the first
     step (compiles), median of `repeat` more, tokens/s, MFU, dynamo's graphs and recompiles, and the
     peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak), and of
-    one more forward and backward alone (no optimizer step), each next to bench.plan's for the same shape."""
-    from bench import plan
-    from dflash.train.memory import BACKWARD, PERSISTENT
+    one more forward and backward alone (no optimizer step), each next to the plan's for the same shape."""
+    from dflash import plan
+    from dflash.plan.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
@@ -341,7 +342,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
                  f"heads {c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, hidden {c.hidden_size}, "
                  f"vocab {c.vocab_size}, B={drafter.block_size}, {L} tokens, {n} anchors, {setup.backend}, "
                  f"{'bf16 autocast' if autocast else 'float32'}",
-        "backend": setup.backend, "checkpointing": setup.checkpointing,  # bench.plan: is the recompute in the MFU
+        "backend": setup.backend, "checkpointing": setup.checkpointing,  # the plan: is the recompute in the MFU
         "params": sum(p.numel() for p in drafter.parameters()),
         "mask_kinds": len(set(drafter.layer_types)),
         "step_s": round(t, 4), "first_step_s": round(first, 2),

@@ -8,7 +8,7 @@
 #                    compiles again for a shape it compiled before
 #   qwen3_6_step     the Qwen3.6-27B drafter's compiled flex step at 3072 tokens and 512 anchors: tokens/s,
 #                    MFU, graphs, peak memory of the step and of its forward and backward alone; FAIL when
-#                    bench.plan's estimate of either is more than 15% off it
+#                    the plan's estimate of either is more than 15% off it
 #   qwen3_6_dflash2_step  the same for the published 27B DFlash 2 drafter, also alone
 #   vllm_dflash2     DFlash 2 and mixed sliding/full drafters served by vLLM against our live evaluation (what
 #                    vLLM's CPU build in `make engines` refuses); SKIP where vllm is not installed

@@ -52,7 +52,7 @@ GRAD_COS_MIN = 0.99
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
             "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150,
             "sharded_extraction": 150}
-# their tokens/s and MFU need the GPU to themselves (bench.plan takes a preset's MFU from its step): the DFlash 2
+# their tokens/s and MFU need the GPU to themselves (the plan takes a preset's MFU from its step): the DFlash 2
 # step ran at MFU 0.15 beside the other checks and 0.20 alone on the first H200
 ALONE = ("flex_train_step", "qwen3_6_step", "qwen3_6_dflash2_step")
 DEFAULT_BUDGET = 480
@@ -107,7 +107,7 @@ def qwen3_6_step(budget: float) -> dict:
 
 def qwen3_6_dflash2_step(budget: float) -> dict:
     """The published 27B DFlash 2 drafter's compiled flex step (5 non-causal sliding layers, blocks of 8, the
-    convolutions and the selector's loss) at 3072 tokens and 512 anchors, judged by `preset_verdict`: bench.plan's
+    convolutions and the selector's loss) at 3072 tokens and 512 anchors, judged by `preset_verdict`: the plan's
     DFlash 2 terms against the measured peak. Run alone, after the other two timing checks."""
     device = _cuda()
     if device is None:
@@ -219,7 +219,7 @@ def sharded_extraction(budget: float) -> dict:
     attention, hybrid and MoE targets sharded over two of them (target.tensor_parallel=2, NCCL), on one GPU placed
     by accelerate (target.device_map=auto); each process's features and top-k log-probabilities against the same
     target loaded whole on one device (tests.target.tp_probe), within SHARDED_TOL, and the parameters each holds
-    against bench.plan's count."""
+    against the plan's count."""
     import json
 
     if _cuda() is None:

@@ -197,7 +197,7 @@ def run_all(names: list[str], budget: float, results_dir: Path, plan: dict, comm
                 check_budget = timeout - 30 if timeout > 60 else timeout  # 30 s to start (CUDA, imports) and report
                 running[name] = (*spawn(name, check_budget, timeout, workdir), timeout)
             for name, (proc, deadline, timeout) in running.items():
-                # alone: the GPU to itself, so its tokens/s and MFU are its own (bench.plan prefers such an MFU)
+                # alone: the GPU to itself, so its tokens/s and MFU are its own (the plan prefers such an MFU)
                 report.add(name, {**collect(name, proc, deadline, timeout, workdir), "alone": len(running) == 1})
     report.save(complete=True)
     s, info = report.data["summary"], report.data["machine"]

@@ -4,7 +4,7 @@ functions of its results, so the tests judge fabricated ones on CPU)."""
 from __future__ import annotations
 
 RECIPE_LENGTH = 3072
-PLAN_TOL = 0.15  # bench.plan's peak against the measured one (tests/test_plan.py holds it to this on CPU)
+PLAN_TOL = 0.15  # the plan's peak against the measured one (tests/test_plan.py holds it to this on CPU)
 BF16_TIE_MARGIN = 0.1  # what dflash.evaluate.live takes for a numerical tie of bf16 logits (eval.tie_margin null)
 
 
@@ -51,18 +51,18 @@ def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> d
 
 
 def preset_verdict(out: dict) -> dict:
-    """PASS when bench.plan's peak is within PLAN_TOL of the measured one, and so are its peak of the forward and
+    """PASS when the plan's peak is within PLAN_TOL of the measured one, and so are its peak of the forward and
     backward alone and that peak's rise over what the step starts with (the step's peak is the optimizer's, 20
     bytes a parameter and AdamW's foreach temporary: it would pass with activations off by 2.5x; the rise is what
     the activations and gradients add, so an activation term off either way shows in it), nothing compiled after
     the first step, the recompile limit was not hit and (under flex) the first step compiled."""
     why, ratio, act = [], out["plan_over_measured"], out["plan_activation_over_measured"]
     if abs(ratio - 1) > PLAN_TOL:
-        why.append(f"bench.plan's peak {out['plan_peak_gib']} GiB ({out['plan_phase']}) is {ratio:.3f}x the measured "
+        why.append(f"the plan's peak {out['plan_peak_gib']} GiB ({out['plan_phase']}) is {ratio:.3f}x the measured "
                    f"{out['peak_memory_gib']} GiB (tolerance {PLAN_TOL:.0%}): correct the plan's terms")
     rise = out["plan_activation_rise_over_measured"]
     if abs(act - 1) > PLAN_TOL or abs(rise - 1) > PLAN_TOL:
-        why.append(f"bench.plan's peak of the forward and backward {out['plan_activation_peak_gib']} GiB "
+        why.append(f"the plan's peak of the forward and backward {out['plan_activation_peak_gib']} GiB "
                    f"({out['plan_activation_phase']}) is {act:.3f}x the measured {out['activation_peak_gib']} GiB, "
                    f"its rise over the step's start {rise:.3f}x the measured {out['activation_rise_gib']} GiB "
                    f"(tolerance {PLAN_TOL:.0%}): correct the plan's activation terms")

@@ -13,7 +13,8 @@ from bench.measure import timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.loss import block_loss, slot_weights
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.layout import CacheLayout
 
 # Qwen3-8B feature shape: 5 target layers x hidden 4096

@@ -310,7 +310,7 @@ def test_the_dflash2_preset_is_the_published_27b_dflash2_drafter():
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind):
     """The qwen3_6_step code path at a tiny size (sdpa, a sliding and a full layer, float32 on CPU), and the
-    DFlash 2 check's: it reports its figures, and bench.plan's estimate is within 15% of the tensors TensorPeak
+    DFlash 2 check's: it reports its figures, and the plan's estimate is within 15% of the tensors TensorPeak
     counts."""
     from bench.gpu import preset_step
     from bench.gpu_checks import preset_verdict

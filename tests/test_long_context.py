@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench import plan
+from dflash import plan
 from bench.gpu import preset_step
 from bench.measure import TensorPeak
 from dflash.dist import Dist
@@ -31,7 +31,7 @@ STEP = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_atten
                                    ["train.num_anchors=256", "train.gradient_checkpointing=true"]])
 def test_a_4k_token_step_peaks_within_its_plan_and_holds_nothing_l_by_l(tiny_targets, extra):
     """A training step (sdpa: the CPU path) of a sliding + full drafter over a 4096-token context: its measured
-    peak, and that of its forward and backward alone, within 20% of bench.plan's (issue 51); the largest
+    peak, and that of its forward and backward alone, within 20% of the plan's (issue 51); the largest
     tensor it makes is short of a bool [L, L] (the sdpa masks are [256 queries, the chunk's context])."""
     with TensorPeak() as outer:
         out = preset_step(torch.device("cpu"), STEP + extra, repeat=1)

@@ -1,4 +1,4 @@
-"""bench.plan: the per-GPU memory plan of a training step, checked against measured peaks on CPU."""
+"""dflash.plan: the per-GPU memory plan of a training step, checked against measured peaks on CPU."""
 
 import json
 from dataclasses import replace
@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from bench import plan
+from dflash import plan
 from bench.measure import TensorPeak
 from dflash.config import OptimConfig
 from dflash.drafter.blocks import draft_packed, pack_blocks
 from dflash.drafter.build import build_drafter
 from dflash.drafter.loss import block_terms
-from dflash.drafter.model import DFlashDraftModel, drafter_config
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.train.optim import build_optimizer
 
 
@@ -312,7 +313,7 @@ TARGET_PARAMS = {"llama3_1_8b_instruct": (8.03, 8.03), "gemma4_31b_it": (30.70, 
 
 @pytest.mark.parametrize("experiment", list(PUBLISHED))
 def test_plan_of_the_published_drafters_targets(experiment):
-    """Each preset composes, builds its target and drafter on the meta device from bench.plan's TARGETS (no
+    """Each preset composes, builds its target and drafter on the meta device from the plan's TARGETS (no
     download) at the published drafter's shape, and gets a plan whose configured set-up fits 80 GB GPUs
     (tests/test_plan_costs.py checks that it is the plan's recommendation and that the preset quotes it)."""
     T, H, V, tied, layers, block, heads, kv, hd, mlp, sliding, window, ids = PUBLISHED[experiment]

@@ -1,4 +1,4 @@
-"""bench.plan_costs: the feature cache on disk, host memory of loading, GPU-hours, and the set-up the plan
+"""dflash.plan.costs: the feature cache on disk, host memory of loading, GPU-hours, and the set-up the plan
 recommends, which the experiment presets follow."""
 
 import json
@@ -10,10 +10,11 @@ import pytest
 import torch
 import yaml
 
-from bench import plan, plan_costs
-from bench.flops import train_flops
-from bench.plan_costs import Run
-from dflash.train.memory import max_anchors
+from dflash import plan
+from dflash.plan import costs
+from dflash.plan.costs import Run
+from dflash.plan.flops import train_flops
+from dflash.plan.memory import max_anchors
 from tests.conftest import REPO
 
 PAPER = {"sequences": 0, "tokens_per_sequence": 0, "mfu": 0.35}  # the paper's data size, a stated MFU
@@ -33,7 +34,7 @@ def test_cache_bytes_a_token_are_those_of_a_written_shard(tmp_path, storage):
                 [torch.ones(t, dtype=torch.bool) for t in lengths], [torch.randn(t, n * H) for t in lengths],
                 storage, n)
     size = next(tmp_path.glob("shard-*.safetensors")).stat().st_size
-    per_token = plan_costs.cache_bytes_per_token(SimpleNamespace(target_layers=n, hidden=H), storage)
+    per_token = costs.cache_bytes_per_token(SimpleNamespace(target_layers=n, hidden=H), storage)
     assert 0 < size - sum(lengths) * per_token < 2048  # the JSON header and 4 int64 offsets
 
 
@@ -68,13 +69,13 @@ def test_the_loading_bound_holds_a_measured_load(tmp_path):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
     sizes = sorted((p.numel() for p in model.parameters()), reverse=True)
-    bound = plan_costs.loading_bytes(SimpleNamespace(target_largest=tuple(sizes[:plan_costs.LOADER_THREADS]),
+    bound = costs.loading_bytes(SimpleNamespace(target_largest=tuple(sizes[:costs.LOADER_THREADS]),
                                                      target_params=sum(sizes), heads_params=0), 2)["process"]
     assert measure(tmp_path, "meta", "bfloat16")["peak_anon"] <= bound
 
 
 def spread_blocks(tokens: int, anchors: int, block_size: int = 16):
-    """One sequence of `tokens` response tokens with `anchors` blocks spread evenly, as bench.plan assumes."""
+    """One sequence of `tokens` response tokens with `anchors` blocks spread evenly, as the plan assumes."""
     from dflash.drafter.blocks import pack_blocks
 
     ids = torch.zeros(1, tokens, dtype=torch.long)
@@ -84,12 +85,12 @@ def spread_blocks(tokens: int, anchors: int, block_size: int = 16):
 
 def test_gpu_hours_are_tokens_times_flops_at_the_mfu():
     """Offline: one target forward a sequence (extraction) and the drafter's steps; online: the target's
-    forward every epoch. The drafter's FLOPs are bench/flops.py's train_flops (what its MFU is measured
+    forward every epoch. The drafter's FLOPs are dflash/plan/flops.py's train_flops (what its MFU is measured
     against); checkpointing adds the layers' forward once more, at an MFU measured on a step without it."""
     job = plan.compose([*Q36_RECIPE, "train.gradient_checkpointing=false"])
     drafter, s, u = plan.build(job, world=8)
     run = plan.make_run(job, PAPER)
-    h = plan_costs.gpu_hours(drafter, s, u, run)
+    h = costs.gpu_hours(drafter, s, u, run)
     T, N = 1500, run.sequences
     target = 2 * (s.target_params - s.heads_params) * T  # 2 FLOPs a non-embedding parameter a token
     step = sum(train_flops(drafter, spread_blocks(T, 512)).values())
@@ -99,10 +100,10 @@ def test_gpu_hours_are_tokens_times_flops_at_the_mfu():
     assert h["offline"]["training"] == pytest.approx(6 * N * step / rate)
     assert h["online"]["total"] == pytest.approx(6 * N * (step + target) / rate)
     assert 500 < h["offline"]["total"] < h["online"]["total"] < 800
-    ckpt = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), replace(run, mfu_recomputed=False))
+    ckpt = costs.gpu_hours(drafter, s, replace(u, checkpointing=True), replace(run, mfu_recomputed=False))
     assert 1.15 < ckpt["offline"]["training"] / h["offline"]["training"] < 4 / 3
-    assert plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=True), run)["offline"] == h["offline"]  # mfu=
-    steps = plan_costs.gpu_hours(drafter, s, u, replace(run, max_steps=1000))  # 1000 x 8 processes x 1 sequence
+    assert costs.gpu_hours(drafter, s, replace(u, checkpointing=True), run)["offline"] == h["offline"]  # mfu=
+    steps = costs.gpu_hours(drafter, s, u, replace(run, max_steps=1000))  # 1000 x 8 processes x 1 sequence
     assert steps["offline"]["training"] == pytest.approx(8000 * step / rate)
 
 
@@ -118,34 +119,34 @@ def test_a_checkpointed_step_is_not_charged_its_recompute_twice(tmp_path, monkey
     result = {"device": "cuda", "checks": {"qwen3_6_step": {
         "shape": "experiment=qwen3_6_27b train.mode=offline: drafter 5 layers", "mfu": 0.28}}}
     (tmp_path / "2026-12-04-h200-gpu-check.json").write_text(json.dumps(result))
-    real = plan_costs.measured_mfu
-    monkeypatch.setattr(plan_costs, "measured_mfu", lambda experiment=None: real(tmp_path, experiment))
+    real = costs.measured_mfu
+    monkeypatch.setattr(costs, "measured_mfu", lambda experiment=None: real(tmp_path, experiment))
     run = plan.make_run(job, {"sequences": 0, "tokens_per_sequence": 0}, "qwen3_6_27b")
     step = sum(train_flops(drafter, spread_blocks(run.tokens_per_sequence, u.num_anchors)).values())
-    h = plan_costs.gpu_hours(drafter, s, u, run)
+    h = costs.gpu_hours(drafter, s, u, run)
     assert h["offline"]["training"] == pytest.approx(6 * run.sequences * step / (989e12 * 0.28 * 3600))
     assert (run.mfu, run.mfu_recomputed) == (0.28, True)  # the preset checkpoints: its overrides say so
-    per = plan_costs.sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
+    per = costs.sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
     assert h["recompute_scale"] == 1 and 0.15 < per["recompute"] / per["drafter"] < 1 / 3
-    plain = plan_costs.gpu_hours(drafter, s, replace(u, checkpointing=False), run)
+    plain = costs.gpu_hours(drafter, s, replace(u, checkpointing=False), run)
     assert plain["offline"]["training"] == pytest.approx(h["offline"]["training"] * per["drafter"] / (
         per["drafter"] + per["recompute"]))
-    given = plan_costs.gpu_hours(drafter, s, u, replace(run, mfu_recomputed=None))
+    given = costs.gpu_hours(drafter, s, u, replace(run, mfu_recomputed=None))
     assert given["offline"]["training"] == pytest.approx(h["offline"]["training"])
-    text = "\n".join(plan_costs.render_run(plan.make_plan(s, u, [80], drafter, run)["run"], 8))
+    text = "\n".join(costs.render_run(plan.make_plan(s, u, [80], drafter, run)["run"], 8))
     assert "recomputed, already in the time of the MFU's step" in text
 
 
 def test_the_mfu_is_the_newest_gpu_results(tmp_path):
-    assert plan_costs.measured_mfu(tmp_path) is None
+    assert costs.measured_mfu(tmp_path) is None
     (tmp_path / "2026-12-01-cpu.json").write_text(json.dumps({"device": "cpu", "x": {"mfu": 0.9}}))
     (tmp_path / "2026-12-02-broken.json").write_text("{not json")
-    assert plan_costs.measured_mfu(tmp_path) is None  # a CPU's figure is no GPU's
+    assert costs.measured_mfu(tmp_path) is None  # a CPU's figure is no GPU's
     gpu = {"device": "NVIDIA H100 80GB HBM3", "checks": {"flex": {"lengths": {"1024": {"mfu": 0.3}, "3072": {
         "mfu": 0.4}, "4096": {"mfu": None}}}, "q36": {"mfu": 0.5}}}
     (tmp_path / "2026-12-03-h100.json").write_text(json.dumps(gpu))
     (tmp_path / "2026-11-30-h100.json").write_text(json.dumps({"device": "cuda", "mfu": 0.1}))
-    assert plan_costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json",
+    assert costs.measured_mfu(tmp_path) == (0.4, "measured: median of 3 in bench/results/2026-12-03-h100.json",
                                                  False)
 
 
@@ -162,30 +163,30 @@ def test_a_preset_plans_with_the_mfu_of_its_own_step(tmp_path):
         "qwen3_6_dflash2_step": {"shape": "experiment=qwen3_6_27b_dflash2 train.mode=offline: drafter", "mfu": 0.15}}}
     (tmp_path / "2026-12-04-nvidia-h200-gpu-check.json").write_text(json.dumps(gpu))
     name = "bench/results/2026-12-04-nvidia-h200-gpu-check.json"
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b") == (
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b") == (
         0.28, f"measured: qwen3_6_step, experiment=qwen3_6_27b's step, in {name}", True)
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2")[0] == 0.15
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_8b") == (0.33, f"measured: median of 2 in {name}", False)
-    assert plan_costs.measured_mfu(tmp_path) == plan_costs.measured_mfu(tmp_path, "qwen3_8b")
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2")[0] == 0.15
+    assert costs.measured_mfu(tmp_path, "qwen3_8b") == (0.33, f"measured: median of 2 in {name}", False)
+    assert costs.measured_mfu(tmp_path) == costs.measured_mfu(tmp_path, "qwen3_8b")
     rerun = {"device": "cuda", "checks": {"qwen3_6_dflash2_step_alone": {
         "shape": "experiment=qwen3_6_27b_dflash2 train.mode=offline: drafter", "mfu": 0.2, "alone": True}}}
     (tmp_path / "2026-12-04-nvidia-h200-gpu-check-rerun.json").write_text(json.dumps(rerun))
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2") == (
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b_dflash2") == (
         0.2, "measured: qwen3_6_dflash2_step_alone, experiment=qwen3_6_27b_dflash2's step alone, in "
              "bench/results/2026-12-04-nvidia-h200-gpu-check-rerun.json", True)
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
-    assert plan_costs.measured_mfu(tmp_path)[1] == f"measured: median of 2 in {name}"  # the full check's file
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
+    assert costs.measured_mfu(tmp_path)[1] == f"measured: median of 2 in {name}"  # the full check's file
     recorded = {"device": "cuda", "checks": {"qwen3_6_step": {"shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.3,
                                                               "checkpointing": False, "alone": True}}}
     (tmp_path / "2026-12-05-nvidia-h200-gpu-check.json").write_text(json.dumps(recorded))
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[::2] == (0.3, False)  # as preset_step recorded it
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[::2] == (0.3, False)  # as preset_step recorded it
     later = {**recorded, "started": "2026-12-05T18:00:00+0000"}  # a second run that day: -2, after the first
     later["checks"] = {"qwen3_6_step": {**recorded["checks"]["qwen3_6_step"], "mfu": 0.31}}
     (tmp_path / "2026-12-05-nvidia-h200-gpu-check-2.json").write_text(json.dumps(later))
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31
     (tmp_path / "2026-12-05-nvidia-h200-gpu-check.json").write_text(json.dumps(
         {**recorded, "started": "2026-12-05T09:00:00+0000"}))
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31  # by its start, not its name
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.31  # by its start, not its name
 
 
 def test_the_plan_reads_no_field_written_by_hand(tmp_path):
@@ -197,18 +198,18 @@ def test_the_plan_reads_no_field_written_by_hand(tmp_path):
     rerun = {"device": "cuda", "why": "a note", "checks": {"qwen3_6_step_alone": {
         "shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.2, "alone": True}, "other": {"alone": False}}}
     (tmp_path / "2026-12-04-h200-gpu-check-rerun.json").write_text(json.dumps(rerun))
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.2  # the hand's "alone" and "device" read
-    (tmp_path / plan_costs.HAND_EDITED).write_text(json.dumps({"2026-12-04-h200-gpu-check-rerun.json": {
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.2  # the hand's "alone" and "device" read
+    (tmp_path / costs.HAND_EDITED).write_text(json.dumps({"2026-12-04-h200-gpu-check-rerun.json": {
         "notes": "x.notes.md", "hand_written": ["device", "why", "checks/*/alone"]}}))
-    assert plan_costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check-rerun.json") == {"checks": {
+    assert costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check-rerun.json") == {"checks": {
         "qwen3_6_step_alone": {"shape": "experiment=qwen3_6_27b: drafter", "mfu": 0.2}, "other": {}}}
-    assert plan_costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check.json") == gpu
-    assert plan_costs.tool_written(tmp_path / plan_costs.HAND_EDITED) is None
-    assert plan_costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
+    assert costs.tool_written(tmp_path / "2026-12-04-h200-gpu-check.json") == gpu
+    assert costs.tool_written(tmp_path / costs.HAND_EDITED) is None
+    assert costs.measured_mfu(tmp_path, "qwen3_6_27b")[0] == 0.28
 
 
 def test_no_result_in_bench_results_gives_the_plan_a_field_a_tool_did_not_write(tmp_path):
-    """Every GPU check report in bench/results/ holds, as bench.plan reads it, only fields the runner writes (the
+    """Every GPU check report in bench/results/ holds, as the plan reads it, only fields the runner writes (the
     fields a Report writes at the top); the hand-edited one is listed in hand_edited.json with a notes file, its
     listed fields are there in its bytes (it is never edited) and gone from what the plan reads; so no preset's
     MFU comes from it (the first H200's DFlash 2 step is planned at what its full check recorded, 0.152, not at the
@@ -217,15 +218,15 @@ def test_no_result_in_bench_results_gives_the_plan_a_field_a_tool_did_not_write(
 
     report = Report(["a_check"], tmp_path, "cpu", "python -m bench.gpu_checks", [["a_check"]])
     fields = set(json.loads(report.paths[0].read_text()))
-    hand = json.loads((plan_costs.RESULTS / plan_costs.HAND_EDITED).read_text())
-    reports = sorted(plan_costs.RESULTS.glob("*gpu-check*.json"))
+    hand = json.loads((costs.RESULTS / costs.HAND_EDITED).read_text())
+    reports = sorted(costs.RESULTS.glob("*gpu-check*.json"))
     assert len(reports) >= 3
     for path in reports:
-        assert set(plan_costs.tool_written(path)) <= fields, path.name
+        assert set(costs.tool_written(path)) <= fields, path.name
     for name, record in hand.items():
-        raw, read = json.loads((plan_costs.RESULTS / name).read_text()), plan_costs.tool_written(
-            plan_costs.RESULTS / name)
-        assert (plan_costs.RESULTS / record["notes"]).exists()
+        raw, read = json.loads((costs.RESULTS / name).read_text()), costs.tool_written(
+            costs.RESULTS / name)
+        assert (costs.RESULTS / record["notes"]).exists()
         for field in record["hand_written"]:
             top, _, rest = field.partition("/")
             assert top in raw, (name, field)
@@ -233,7 +234,7 @@ def test_no_result_in_bench_results_gives_the_plan_a_field_a_tool_did_not_write(
                 assert top not in read
         assert not any("alone" in c for c in read["checks"].values())
     for experiment in (None, "qwen3_6_27b", "qwen3_6_27b_dflash2"):
-        where = plan_costs.measured_mfu(experiment=experiment)[1]
+        where = costs.measured_mfu(experiment=experiment)[1]
         assert not any(where.endswith(f"bench/results/{name}") for name in hand), where
 
 
@@ -277,18 +278,18 @@ def test_recommend_prefers_offline_when_the_cache_fits_the_disk():
     job = plan.compose(["experiment=qwen3_8b"])
     _, s, u = plan.build(job, world=8)
     run = plan.make_run(job, {**PAPER, "sequences": 10_000})  # 0.6 TB of cache
-    (rec,) = plan_costs.recommend(s, u, run, 0.6e12, [80])
+    (rec,) = costs.recommend(s, u, run, 0.6e12, [80])
     assert (rec["mode"], rec["distributed"], rec["checkpointing"]) == ("offline", "ddp", False)
-    (big,) = plan_costs.recommend(s, u, run, 50e12, [80])  # the paper's 49 TB: online, which fits 80 GB
+    (big,) = costs.recommend(s, u, run, 50e12, [80])  # the paper's 49 TB: online, which fits 80 GB
     assert (big["mode"], big["distributed"], big["checkpointing"]) == ("online", "ddp", False)
     most = {m: max_anchors(s, replace(u, online=m == "online", distributed="fsdp", checkpointing=True), 80 * plan.GiB)
             for m in ("offline", "online")}
     n = (most["offline"] + most["online"]) // 2  # more than the target leaves room for online
-    (tight,) = plan_costs.recommend(s, replace(u, num_anchors=n), run, 0.6e12, [80])
+    (tight,) = costs.recommend(s, replace(u, num_anchors=n), run, 0.6e12, [80])
     assert (tight["mode"], tight["distributed"], tight["checkpointing"], tight["num_anchors"]) == (
         "offline", "fsdp", True, n) and "only offline fits" in tight["why"]
     assert tight["modes"]["online"]["num_anchors"] == most["online"] < n
-    (none,) = plan_costs.recommend(s, replace(u, num_anchors=50_000), run, 0.6e12, [24])
+    (none,) = costs.recommend(s, replace(u, num_anchors=50_000), run, 0.6e12, [24])
     assert none["mode"] == "offline" and 0 < none["num_anchors"] == max_anchors(s, replace(
         u, online=False, distributed="fsdp", checkpointing=True), 24 * plan.GiB) < 50_000
 
@@ -302,5 +303,5 @@ def test_the_command_line_prints_the_run_side_by_side(capsys):
     plan.main(["experiment=qwen3_8b", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert set(out["run"]["gpu_hours"]) == {"offline", "online", "flops_per_token", "recompute_scale"}
-    assert Path(plan_costs.RESULTS).name == "results"
+    assert Path(costs.RESULTS).name == "results"
     assert isinstance(Run(sequences=1, tokens_per_sequence=1, sequences_where="x").disk_tb, float)

@@ -4,7 +4,7 @@ Online training keeps the whole frozen target on every process's device, beside 
 optimizer state. The target's size follows from its config (parameter count, from a build on the meta
 device, x the bytes of target.dtype) and the device reports its memory, so a target that cannot fit
 stops the run up front, with the figures, rather than at an out-of-memory error after minutes of loading.
-The figures are the persistent terms of bench/plan.py's memory plan; activations come on top (the plan
+The figures are the persistent terms of dflash/plan/memory.py's memory plan; activations come on top (the plan
 models the whole step).
 """
 
@@ -16,7 +16,7 @@ from dflash.errors import ConfigError
 
 GiB = 2**30
 ALLOWANCE = 2 * GiB
-"""The CUDA context, NCCL's buffers: bench/plan.py's allowance_gb."""
+"""The CUDA context, NCCL's buffers: dflash/plan/memory.py's allowance_gb."""
 
 
 def parameter_count(hf_config, trust_remote_code: bool = False, tensor_parallel: int = 1) -> int:

@@ -5,7 +5,7 @@ a tensor-parallel group (target.tensor_parallel; the drafter borrows the target'
 plain tensors either way). Qwen3.6-27B in bf16 is 50 GiB; beside a 1.8 B-parameter
 drafter under DDP (34 GiB of float32 weights, gradients, AdamW moments and DDP's gradient buckets) that is
 more than an 80 GB GPU holds before the first activation (`check_online_fit`). Then the whole step at
-data.max_length, by the memory plan's peak (dflash.train.memory, what `python -m bench.plan` prints): activations
+data.max_length, by the memory plan's peak (dflash.plan.memory, what `python -m dflash.plan` prints): activations
 grow with the length, and a 32k-token step can be 10 GiB more than a 3k one (`check_length_fit`). Each run stops
 here naming the figures and the ways out.
 """
@@ -24,7 +24,7 @@ from dflash.config import JobConfig
 from dflash.errors import ConfigError
 from dflash.target import placement
 from dflash.target.loading import DTYPES, Target, read_config
-from dflash.train import memory
+from dflash.plan import memory
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def drafter_parameters(job: JobConfig, text_config) -> int | None:
 
 
 def drafter_state(job: JobConfig, params: int, world: int) -> tuple[int, str]:
-    """(bytes per process, what they are) of the drafter's training state, as bench/plan.py counts them:
+    """(bytes per process, what they are) of the drafter's training state, as dflash/plan/memory.py counts them:
     float32 weights, gradients and two AdamW moments; DDP adds its gradient buckets (world > 1); FSDP shards
     the four and gathers the weights in the compute dtype for each forward and backward."""
     if job.train.distributed == "fsdp" and world > 1:
@@ -107,14 +107,14 @@ def check_online_fit(job: JobConfig, device: torch.device) -> None:
         device, {f"target {job.target.name}": (target_bytes, target_how), "drafter and optimizer": state},
         why=(f"train.mode=online keeps the {'whole ' if tp == 1 else ''}target on every process's device beside the "
              f"drafter ({world} process{'es' if world > 1 else ''}, {job.train.distributed})"),
-        fix=(f"Use {'; or '.join(fixes)}. `python -m bench.plan <your overrides> world_size={world}` gives the "
+        fix=(f"Use {'; or '.join(fixes)}. `python -m dflash.plan <your overrides> world_size={world}` gives the "
              f"whole step's memory"))
     log.info("online training: target %s (%s) and the drafter's state (%s) fit %s", job.target.name,
              placement.gib(target_bytes), placement.gib(state[0]), device)
 
 
 def planned_step(job: JobConfig):
-    """(Shape, Setup) of the configured step on one of this launch's processes (dflash.train.memory, as bench.plan
+    """(Shape, Setup) of the configured step on one of this launch's processes (dflash.plan.memory, as the plan
     builds them), or None when the drafter cannot be built yet (drafter.init_from without config.json). Reads
     config files, no weights."""
     _, _, hf_config = read_config(job.target)
@@ -158,7 +158,7 @@ def check_length_fit(job: JobConfig, device: torch.device) -> None:
     if not setup.sharded and setup.world > 1:
         fixes.append(f"train.distributed=fsdp (peak {gib_at(shape, setup, distributed='fsdp')})")
     raise ConfigError(f"data.max_length={setup.ctx_len}: a training step of that length is planned to peak at "
-                      f"{placement.gib(need)} a process (at {phase}; `python -m bench.plan` gives every term), more "
+                      f"{placement.gib(need)} a process (at {phase}; `python -m dflash.plan` gives every term), more "
                       f"than {device}'s {placement.gib(budget)}; set {', or '.join(fixes)}")
 
 

@@ -99,7 +99,7 @@ def test_tensor_parallel_features_equal_the_unsharded_targets(tiny_targets, tmp_
             got = per_rank[name]
             assert got["features"] < 1e-5 and got["topk_logprobs"] < 1e-5, (name, got)
             assert got["sharding"]["tensor_parallel"] == 2
-            assert got["parameters"] == got["planned"], (name, got)  # bench.plan counts what a process holds
+            assert got["parameters"] == got["planned"], (name, got)  # dflash.plan counts what a process holds
         assert per_rank["tiny_qwen3_moe"]["sharding"]["expert_parallel"] == 2
         assert per_rank["tiny_qwen3"]["sharding"]["expert_parallel"] == 1
         refused = per_rank["tiny_gemma"]["refused"]

@@ -29,11 +29,11 @@ def no_loading(monkeypatch):
 
 
 def test_qwen3_6_27b_online_under_ddp_on_80gb_is_refused_before_loading(monkeypatch, no_loading):
-    """bench/plan.py's figures: a 50.1 GiB target beside a 1.835 B-parameter drafter's 34.2 GiB of DDP state
+    """dflash/plan/memory.py's figures: a 50.1 GiB target beside a 1.835 B-parameter drafter's 34.2 GiB of DDP state
     is more than an 80 GB GPU holds; an H200 holds it, and so does an 80 GB GPU under FSDP."""
     import transformers
 
-    from bench.plan import TARGETS
+    from dflash.plan import TARGETS
 
     cls, dims = TARGETS["qwen3_6_27b"]
     monkeypatch.setattr(fit, "read_config", lambda cfg: ("Qwen/Qwen3.6-27B", None, getattr(transformers, cls)(**dims)))
@@ -98,8 +98,8 @@ def test_a_max_length_whose_planned_step_does_not_fit_is_refused_in_one_line_bef
     tokens, on an H200, or on a CPU (nothing is checked there) the run goes on to loading."""
     import transformers
 
-    from bench import plan
-    from bench.plan import TARGETS
+    from dflash import plan
+    from dflash.plan import TARGETS
 
     cls, dims = TARGETS["qwen3_6_27b"]
     monkeypatch.setattr(fit, "read_config", lambda cfg: ("Qwen/Qwen3.6-27B", None, getattr(transformers, cls)(**dims)))
@@ -113,7 +113,7 @@ def test_a_max_length_whose_planned_step_does_not_fit_is_refused_in_one_line_bef
         sources.training_target(job, torch.device("cuda", 0))
     message = str(refused.value)
     drafter, shape, setup = plan.build(plan.compose([*overrides, "data.max_length=32768"]), world=8)
-    assert f"{plan.peak(shape, setup)[0] / GiB:.1f} GiB" == "83.3 GiB"  # bench.plan's figure, the same
+    assert f"{plan.peak(shape, setup)[0] / GiB:.1f} GiB" == "83.3 GiB"  # the plan's figure, the same
     assert "\n" not in message and message.startswith("data.max_length=32768: ")
     assert "planned to peak at 83.3 GiB a process" in message and "more than cuda:0's 79.2 GiB" in message
     most = plan.max_anchors(shape, setup, H100)  # 141 at the plan's 80 GiB; a GPU's 79.2 GiB holds fewer

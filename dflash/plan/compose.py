@@ -1,5 +1,5 @@
-"""The config groups a plan reads, composed as train.py composes them (bench.plan and bench.plan_costs both read
-them; a module of its own, so neither imports the other for it)."""
+"""The config groups a plan reads, composed as train.py composes them (report.py and costs.py both read them; a
+module of its own, so neither imports the other for it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def compose(overrides: list[str]) -> dict:
     from dflash.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         cfg = hydra_compose(config_name="train", overrides=overrides)
     # group by group: the data group may lack what only a real run needs (data.prompts)
     job = {k: OmegaConf.to_object(cfg[k]) for k in ("target", "drafter", "layers", "loss", "noise", "train", "optim")}

@@ -1,4 +1,4 @@
-"""What a run needs besides GPU memory, for bench.plan: the feature cache on disk, host memory for loading
+"""What a run needs besides GPU memory, for the plan (report.py): the feature cache on disk, host memory for loading
 the target, GPU-hours, offline and online side by side, and which set-up each GPU size should train with.
 
 - Cache: dflash/data/cache.py stores per token the features (target_layers x hidden values in
@@ -9,7 +9,7 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   LOADER_THREADS tensors in flight (the largest ones bound it); the files' pages sit in the page cache,
   shared by every process of the node reading them and reclaimable, up to the checkpoint's size. Offline
   training reads only embed_tokens and lm_head; extraction loads the target as online training does.
-- GPU-hours: the drafter's model FLOPs of a sequence as bench/flops.py's `train_flops` counts them (what its
+- GPU-hours: the drafter's model FLOPs of a sequence as flops.py's `train_flops` counts them (what its
   MFU is measured against: model FLOPs over the step's time, a recompute not counted); the target's
   forward is 2 FLOPs per non-embedding parameter per token (of a MoE target, the parameters a token runs through:
   all but the experts it is not routed to; attention's share is ignored: ~1%), once per
@@ -30,13 +30,13 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dflash.train.memory import Setup, Shape, max_anchors, peak
+from dflash.plan.memory import GiB, Setup, Shape, max_anchors, peak
 
 PAPER_SEQUENCES, PAPER_TOKENS = 800_000, 1.2e9  # the DFlash paper's training data, about
 ASSUMED_MFU = 0.35
 LOADER_THREADS = 4  # transformers 5.x core_model_loading.GLOBAL_WORKERS (min(4, cpus))
 STORAGE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"  # what the GPU checks wrote (bench/)
 HAND_EDITED = "hand_edited.json"  # in RESULTS: the fields of a result written by hand, not by the tool that measured
 # what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and
 # gradient checkpointing (a third more layer FLOPs) only where needed
@@ -178,7 +178,7 @@ def recomputed(result: dict, overrides: list[str]) -> bool:
 
 @functools.cache
 def _composed_checkpointing(overrides: tuple[str, ...]) -> bool:
-    from bench.plan_config import compose
+    from dflash.plan.compose import compose
 
     try:
         return bool(compose(list(overrides))["train"].gradient_checkpointing)
@@ -201,7 +201,7 @@ def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int) -> dict[str
 
     import torch
 
-    from bench.flops import train_flops
+    from dflash.plan.flops import train_flops
     from dflash.drafter.blocks import pack_blocks
 
     n = max(1, min(num_anchors, tokens - 1))
@@ -265,8 +265,6 @@ def fitting_setup(s: Shape, u: Setup, budget: float) -> dict:
 def recommend(s: Shape, u: Setup, run: Run, cache_bytes: float, gpu_gb: list[float]) -> list[dict]:
     """Per GPU size: the set-up each mode fits with, and the mode to train in: offline where the cache fits
     run.disk_tb (one target forward a sequence instead of one an epoch), else online where it fits."""
-    from dflash.train.memory import GiB
-
     out, disk = [], cache_bytes <= run.disk_tb * 1e12
     for gb in gpu_gb:
         modes = {m: fitting_setup(s, replace(u, online=m == "online"), gb * GiB) for m in ("offline", "online")}

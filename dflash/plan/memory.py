@@ -1,5 +1,6 @@
-"""The memory model of one training step: bytes per GPU of each part, and its peak. bench.plan prints it (with
-the run's costs); training refuses up front a data.max_length whose step it says does not fit (dflash.train.fit).
+"""The memory model of one training step: bytes per GPU of each part, and its peak. `python -m dflash.plan` prints
+it (with the run's costs); training refuses up front a data.max_length whose step it says does not fit
+(dflash.train.fit).
 
 The drafter's dimensions come from a build on the meta device (`shape_of`); activations are the tensors
 autograd saves, as model.py, blocks.py and loss.py make them; tests/test_plan.py checks the estimate against
@@ -49,8 +50,7 @@ MODES = {"no checkpointing": False, "checkpointing": True}
 
 @dataclass
 class Shape:
-    """The drafter and target dimensions the estimate needs (bench.plan.drafter_shape reads them off a
-    drafter)."""
+    """The drafter and target dimensions the estimate needs (`shape_of` reads them off a drafter)."""
 
     hidden: int
     heads: int

@@ -1,0 +1,191 @@
+"""The plan of a configured run: its drafter and step built on the meta device (`build`), the memory per GPU
+and what the run needs besides (`make_plan`), in words (`render`); `python -m dflash.plan` (`main`).
+
+The drafter is built with build_drafter on the meta device at the real dimensions (exact parameter count,
+nothing allocated), the target likewise (online training keeps it whole on every GPU). The memory model and
+what it assumes: dflash/plan/memory.py; cache, host memory, GPU-hours and the recommended set-up per GPU
+size: dflash/plan/costs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, replace
+
+import dflash.plan.costs as costs
+from dflash.plan.compose import compose
+from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
+from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, max_anchors, \
+    moe_experts, peak, setup_of, shape_of, sliding_window, terms
+from dflash.plan.targets import target_config
+
+PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
+             "tokens_per_sequence": 0, "mfu": 0.0, "peak_tflops": 989.0, "disk_tb": 20.0}
+
+def active_params(model, text) -> int:
+    """Parameters a token runs through: all but the experts it is not routed to (the target forward's FLOPs)."""
+    experts, top_k = moe_experts(text)
+    named = {id(p): (n, p.numel()) for n, p in model.named_parameters()}.values()
+    total = sum(k for _, k in named)
+    if not experts:
+        return total
+    expert = sum(k for n, k in named if ".experts." in n)
+    return total - expert + expert * top_k // experts
+
+
+def drafter_shape(drafter, vocab: int, tied: bool = False, target=None, tensor_parallel: int = 1) -> Shape:
+    """The Shape of a DFlashDraftModel on any device, meta included; `target` (a causal LM, meta included,
+    and its text config) adds what online training and loading need: the target's parameters a GPU holds (its
+    share of a tensor-parallel group of `tensor_parallel`, dflash.target.sharding.sharded_parameters)."""
+    from dflash.target.sharding import sharded_parameters
+
+    extra = {}
+    if target is not None:
+        model, text = target
+        sizes = sorted({id(p): p.numel() for p in model.parameters()}.values(), reverse=True)
+        extra = {"target_params": sharded_parameters(model, tensor_parallel),
+                 "target_intermediate": active_intermediate(text), "target_active_params": active_params(model, text),
+                 "target_largest": tuple(sizes[:costs.LOADER_THREADS]), "target_window": sliding_window(text)}
+    return shape_of(drafter, vocab, tied, **extra)
+
+
+def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: float = 0.1):
+    """(drafter on the meta device, Shape, Setup) for the composed config groups in `job`."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from dflash.drafter.build import build_drafter
+    from dflash.target.loading import Target
+
+    tcfg, train = job["target"], job["train"]
+    text = target_config(tcfg)
+    H, V = text.hidden_size, text.vocab_size
+    with torch.device("meta"):
+        target = Target(model=None, tokenizer=None, config=text, layers=None, final_norm=None,
+                        embed_tokens=nn.Embedding(V, H), lm_head=nn.Linear(H, V, bias=False),
+                        mask_token_id=tcfg.mask_token_id, path=tcfg.path)
+        drafter = build_drafter(job["drafter"], job["layers"], target)
+        model = AutoModelForCausalLM.from_config(text)  # the causal LM online training keeps whole
+    shape = drafter_shape(drafter, V, bool(getattr(text, "tie_word_embeddings", False)), (model, text),
+                          tcfg.tensor_parallel)
+    setup = setup_of(tcfg, train, job["loss"], job["noise"], job["max_length"], world, allowance_gb * GiB,
+                     fragmentation, job.get("optim"))
+    return drafter, shape, setup
+
+
+def make_run(job: dict, opts: dict, experiment: str | None = None) -> Run:
+    """The Run the costs are for: the plan keys where given, else the configured data and a measured MFU (the
+    experiment preset's own step where a GPU result has it)."""
+    counted = costs.count_prompts(job.get("data", {}))
+    sequences = opts.get("sequences") or counted or PAPER_SEQUENCES
+    where = ("sequences=" if opts.get("sequences") else "data.prompts" if counted
+             else "the DFlash paper's ~800K: data.prompts is not at hand; sequences=N sets it")
+    tokens = opts.get("tokens_per_sequence") or min(job["max_length"], round(PAPER_TOKENS / PAPER_SEQUENCES))
+    measured = costs.measured_mfu(experiment=experiment)
+    mfu, mfu_where, recomputed = ((opts["mfu"], "mfu=", None) if opts.get("mfu") else measured if measured
+                                  else (costs.ASSUMED_MFU, Run.mfu_where, False))
+    train = job["train"]
+    return Run(sequences=int(sequences), tokens_per_sequence=int(tokens), sequences_where=where,
+               epochs=train.epochs, max_steps=train.max_steps, storage=job.get("storage", "bfloat16"),
+               peak_tflops=opts.get("peak_tflops", 989.0), mfu=mfu, mfu_where=mfu_where, mfu_recomputed=recomputed,
+               disk_tb=opts.get("disk_tb", 20.0))
+
+
+def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run: Run | None = None) -> dict:
+    """Terms, peaks and the largest num_anchors per GPU size, in GiB (what --json prints); with the meta
+    drafter and a Run, also the run's needs offline and online (dflash/plan/costs.py)."""
+    t = {k: v / GiB for k, v in terms(shape, setup).items()}
+    peaks, gpus = {}, []
+    for name, ckpt in MODES.items():
+        total, phase = peak(shape, replace(setup, checkpointing=ckpt))
+        peaks[name] = {"gib": total / GiB, "phase": phase}
+    chosen = peaks["checkpointing" if setup.checkpointing else "no checkpointing"]["gib"]
+    for gb in gpu_gb:
+        gpus.append({"gpu_gib": gb, "fits": chosen <= gb, "free_gib": gb - chosen, "max_num_anchors": {
+            name: max_anchors(shape, replace(setup, checkpointing=ckpt), gb * GiB) for name, ckpt in MODES.items()}})
+    masks = {k: v / setup.batch for k, v in block_mask_bytes(shape, setup).items()} if setup.backend == "flex" else {}
+    out = {"shape": asdict(shape), "setup": asdict(setup), "terms_gib": t, "peak": peaks, "gpus": gpus,
+           "block_mask_bytes_per_sequence": masks}
+    if drafter is not None and run is not None:
+        per_token = costs.cache_bytes_per_token(shape, run.storage)
+        cache = per_token * run.sequences * run.tokens_per_sequence
+        out["run"] = {
+            **asdict(run),
+            "cache_gb_per_million_tokens": {k: costs.cache_bytes_per_token(shape, k) / 1e3
+                                            for k in ("bfloat16", "float8_e4m3fn")},
+            "cache_tb": cache / 1e12,
+            "loading_gib": {k: v / GiB for k, v in costs.loading_bytes(shape, setup.frozen).items()},
+            "peak_gib": {m: peak(shape, replace(setup, online=m == "online"))[0] / GiB for m in ("offline", "online")},
+            "gpu_hours": costs.gpu_hours(drafter, shape, setup, run),
+            "recommended": [{**r, "peak": r["peak"] and r["peak"] / GiB,
+                             "modes": {m: {**f, "peak": f["peak"] and f["peak"] / GiB} for m, f in r["modes"].items()}}
+                            for r in costs.recommend(shape, setup, run, cache, gpu_gb)]}
+    return out
+
+
+def render(plan: dict, drafter, title: str) -> str:
+    s, u = plan["shape"], plan["setup"]
+    types = ", ".join(f"{t} x{drafter.layer_types.count(t)}" for t in dict.fromkeys(drafter.layer_types))
+    kind = (f"DFlash 2 (convolutions, selector top-{s['selector_top_k']} rank {s['selector_rank']}), "
+            if s.get("dflash2") else "")
+    head = (f"drafter: {kind}{s['layers']} layers ({types}), {s['params'] / 1e9:.3f} B parameters, hidden {s['hidden']}, "
+            f"heads {s['heads']}/{s['kv_heads']} x {s['head_dim']}, MLP {s['intermediate']}, block {s['block_size']}, "
+            f"fc from {s['target_layers']} target layers; vocab {s['vocab']} ({'tied' if s['tied'] else 'untied'})")
+    step = (f"per GPU: {u['batch']} x {u['ctx_len']} context tokens, num_anchors {u['num_anchors']} "
+            f"({u['batch'] * u['num_anchors'] * s['block_size']} block tokens), "
+            f"{'bf16 autocast' if u['compute'] == 2 else 'float32'}, {u['backend']} attention, "
+            f"{'online' if u['online'] else 'offline'}, {u['distributed']} x {u['world']}"
+            + (f", the target tensor parallel x {u['tensor_parallel']} (its share per GPU)"
+               if u.get("tensor_parallel", 1) > 1 else ""))
+    lines = [f"memory plan: {title}", head, step, ""]
+    lines += [f"  {k:<38} {v:9.2f} GiB" for k, v in plan["terms_gib"].items() if v]
+    lines.append(f"  {'fixed allowance (CUDA context, NCCL)':<38} {u['allowance'] / GiB:9.2f} GiB")
+    if masks := plan["block_mask_bytes_per_sequence"]:  # bytes, too few for the GiB table
+        lines.append(f"  block masks a sequence: {masks['kept'] / 2**20:.2f} MiB kept, {masks['build'] / 2**20:.1f} MiB "
+                     f"to build (create_block_mask's dense build: {masks['dense before'] / GiB:.2f} GiB)")
+    lines.append(f"  peak = persistent terms + the largest phase, + {u['fragmentation']:.0%} fragmentation + allowance:")
+    for name, p in plan["peak"].items():
+        chosen = "  (configured)" if (name == "checkpointing") == u["checkpointing"] else ""
+        lines.append(f"  {'peak, ' + name:<38} {p['gib']:9.2f} GiB  at {p['phase']}{chosen}")
+    lines += ["", f"  {'GPU':<9} {'configured step':<24} largest train.num_anchors: no checkpointing / checkpointing"]
+    for g in plan["gpus"]:
+        fit = f"fits, {g['free_gib']:.1f} GiB free" if g["fits"] else f"short by {-g['free_gib']:.1f} GiB"
+        n = g["max_num_anchors"]
+        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {n['no checkpointing']} / {n['checkpointing']}")
+    if any(n >= u["ctx_len"] for g in plan["gpus"] for n in g["max_num_anchors"].values()):
+        lines.append(f"  (a sequence has at most {u['ctx_len'] - 1} anchors; flex pads micro-batches to "
+                     f"train.num_anchors blocks, so memory follows train.num_anchors)")
+    if "run" in plan:
+        lines += costs.render_run(plan["run"], u["world"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hydra.errors import HydraException
+
+    from dflash.cli import fail
+    from dflash.errors import ConfigError
+
+    opts, overrides = dict(PLAN_KEYS), []
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, _, value = arg.partition("=")
+        if key == "gpu_gb":
+            opts[key] = [float(v) for v in value.strip("[]").split(",") if v.strip()]
+        elif key in PLAN_KEYS:
+            opts[key] = type(PLAN_KEYS[key])(float(value) if isinstance(PLAN_KEYS[key], int) else value)
+        elif arg != "--json":
+            overrides.append(arg)
+    try:
+        job = compose(overrides)
+        drafter, shape, setup = build(job, opts["world_size"], opts["allowance_gb"], opts["fragmentation"])
+    except Exception as e:  # a bad override, or a ConfigError (omegaconf wraps those a dataclass check raises)
+        cause = next((x for x in (e, e.__cause__, e.__context__) if isinstance(x, (ConfigError, HydraException))), e)
+        if cause is e and not isinstance(e, (ConfigError, HydraException)):
+            raise
+        fail(cause)
+    experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
+    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment))
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
+    print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(overrides) or "conf/train.yaml"))
