@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# DFlash 2's selector trained the ways the public trainers train it, and regularised (issue 50), on the default (toy)
+# recipe, 3 seeds an arm, equal steps (768): every arm is `python train.py drafter.kind=dflash2` plus
+#   ours           the defaults: unary scores detached, gold injected, normal codebooks, decay weights
+#   speculators    coupled gradients (the unary logits get the selector's gradient), gold injected
+#   specforge      coupled, strict gold (no loss where the unary top-K misses it), zero successor codebook (step 0 =
+#                  DFlash's unary path), the selector's weight 0 for 10% of the steps then ramped over 20%
+#                  (SpecForge's ratios are keys of its trainer; these values are ours)
+#   decay          ours + AdamW weight decay 0.1 on the two codebooks
+#   dropout        ours + dropout 0.2 on the predecessor's codebook row
+#   rank64         ours at selector rank 64 (a quarter of the codebooks' parameters)
+# and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
+#
+#   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
+#   python sweeps/selector_table.py runs/selector   # the table of docs/dflash2.md
+#
+# Each run's final in-run evaluation (greedy, the 64 held-out prompts) gives the walk tau, every-anchor tau,
+# tau_unary and tau_oracle; its windows the served-semantics train/tau, train/oracle/tau and train/topk_recall.
+# Run it alone for the s/step column (two torch processes on 2 cores thrash); tau does not depend on it.
+set -euo pipefail
+ROOT=${ROOT:-runs/selector}
+SEEDS=${SEEDS:-"0 1 2"}
+ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64"}
+PY=${PY:-python}
+declare -A OVERRIDES=(
+  [dflash]="drafter.kind=dflash"
+  [ours]="drafter.kind=dflash2"
+  [speculators]="drafter.kind=dflash2 loss.selector_gradient=coupled"
+  [specforge]="drafter.kind=dflash2 loss.selector_gradient=coupled loss.selector_gold=strict loss.selector_init=zero loss.selector_warmup_ratio=0.1 loss.selector_ramp_ratio=0.2"
+  [decay]="drafter.kind=dflash2 loss.selector_decay=0.1"
+  [dropout]="drafter.kind=dflash2 loss.selector_dropout=0.2"
+  [rank64]="drafter.kind=dflash2 drafter.selector_rank=64"
+)
+for arm in $ARMS; do
+  for seed in $SEEDS; do
+    if [ -f "$ROOT/$arm-s$seed/checkpoints/best.json" ] && [ -z "${RERUN:-}" ]; then echo "kept $ROOT/$arm-s$seed"; continue; fi
+    # shellcheck disable=SC2086  # the arm's overrides are words
+    $PY train.py ${OVERRIDES[$arm]} train.seed="$seed" run.root="$ROOT" run.name="$arm-s$seed" "$@"
+  done
+done

@@ -1,0 +1,74 @@
+"""The selector sweep's table (docs/dflash2.md) from the runs of sweeps/selector.sh.
+
+    python sweeps/selector_table.py runs/selector
+
+Per arm (the run name before -s<seed>), mean and sample sd over seeds, from each run's final in-run evaluation
+(the 64 held-out prompts, greedy; eval/step-000768/summary.json) and its last 11 log windows (steps 668-768):
+walk tau, every-anchor tau, tau_unary, tau_oracle (the oracle gap is oracle - walk), the served-semantics strict
+selector accuracy at slot 1 (eval/acc@1) and train/tau, train/topk_recall; then, prompt by prompt against the
+dflash arm of the same seed (each prompt's walk tau), the prompts it wins and the ones it loses by more than 0.5,
+and its worst loss. The s/step column is the median step time of the windows (valid only for runs made alone).
+"""
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle gap", "acc@1", "train/tau",
+           "train/topk_recall", "s/step")
+
+
+def run_row(run: Path) -> tuple[dict, dict]:
+    """(the columns, {prompt: walk tau}) of one run."""
+    summary = json.loads((run / "eval" / "step-000768" / "summary.json").read_text())
+    m = summary["metrics"]
+    windows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train/tau"' in line]
+    last = [w for w in windows if w["step"] >= 668]
+    mean = lambda key: statistics.mean(w[key] for w in last) if last and key in last[0] else None  # noqa: E731
+    rate = statistics.median(w["train/anchors_per_s"] for w in windows) if windows else None
+    train = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    per_step = train["batch_size"] * train["num_anchors"] * train["grad_accum"]
+    row = {"walk tau": m["eval/tau"], "every-anchor tau": m.get("eval/tau_all_anchors"),
+           "tau_unary": m.get("eval/tau_unary"), "tau_oracle": m.get("eval/tau_oracle"),
+           "oracle gap": (m["eval/tau_oracle"] - m["eval/tau"]) if "eval/tau_oracle" in m else None,
+           "acc@1": m.get("eval/acc@1"), "train/tau": mean("train/tau"), "train/topk_recall": mean("train/topk_recall"),
+           "s/step": (per_step / rate) if rate else None}
+    return row, {pid: t["tau"] for pid, t in summary["per_prompt"].items() if "tau" in t}
+
+
+def main(root: str) -> None:
+    arms: dict[str, dict[int, tuple[dict, dict]]] = {}
+    for run in sorted(Path(root).iterdir()):
+        match = re.fullmatch(r"(.+)-s(\d+)", run.name)
+        if match and (run / "eval" / "step-000768" / "summary.json").exists():
+            arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run)
+    print("| arm | seeds | " + " | ".join(COLUMNS) + " | prompts won / lost by > 0.5 vs dflash | worst |")
+    print("|---|---|" + "---|" * (len(COLUMNS) + 2))
+    for arm, seeds in arms.items():
+        cells = []
+        for col in COLUMNS:
+            vals = [row[col] for row, _ in seeds.values() if row[col] is not None]
+            cells.append("" if not vals else f"{statistics.mean(vals):.3f}" + (
+                f" ({statistics.stdev(vals):.3f})" if len(vals) > 1 else ""))
+        versus, worst = "", ""
+        if arm != "dflash" and "dflash" in arms:
+            won = lost = 0
+            low = 0.0
+            for seed, (_, prompts) in seeds.items():
+                if seed not in arms["dflash"]:
+                    continue
+                base = arms["dflash"][seed][1]
+                diffs = [prompts[p] - base[p] for p in prompts if p in base]
+                won += sum(d > 0 for d in diffs)
+                lost += sum(d < -0.5 for d in diffs)
+                low = min([low, *diffs])
+            versus, worst = f"{won} / {lost}", f"{low:+.2f}"
+        print(f"| {arm} | {','.join(map(str, sorted(seeds)))} | " + " | ".join(cells) + f" | {versus} | {worst} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
