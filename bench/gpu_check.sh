@@ -30,6 +30,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the compile caches in the checkout (build/ is ignored by git), so a later run of the check on this machine, and
+# every check's process, finds the kernels compiled and autotuned; values exported before are kept
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/compile-cache/triton}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/build/compile-cache/inductor}
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=python3; fi

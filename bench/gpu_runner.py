@@ -79,6 +79,15 @@ def triton_cache() -> dict:
     return {"dir": str(folder), "autotune_results": len(list(folder.glob("*/*.autotune.json")))}
 
 
+def inductor_cache() -> dict:
+    """TorchInductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else torch's default under the temporary folder)
+    and how many files it holds (compiled graphs, kernels and their autotuning: what a later process reuses)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    return {"dir": str(folder), "files": sum(1 for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0}
+
+
 def spawn(name: str, budget: float, timeout: float, workdir: Path):
     """Check `name` in a child process of its own session (so a timeout also ends its compile workers)."""
     log = (workdir / f"{_stem(name)}.log").open("w")
@@ -139,6 +148,8 @@ class Report:
                      "command": command, "waves": waves, "triton_cache": triton_cache(), "checks": {},
                      "pending": list(names), "complete": False}
         self.data["triton_cache"]["autotune_results_before"] = self.data["triton_cache"].pop("autotune_results")
+        self.data["inductor_cache"] = inductor_cache()
+        self.data["inductor_cache"]["files_before"] = self.data["inductor_cache"].pop("files")
         stem = f"{self.data['date']}-{_machine_tag(info)}-gpu-check"
         name = next(f"{stem}{n}.json" for n in ["", *(f"-{i}" for i in range(2, 10_000))]
                     if not (results_dir / f"{stem}{n}.json").exists())  # another run's report stays as it was
@@ -164,6 +175,7 @@ class Report:
         self.data["complete"] = complete
         self.data["total_seconds"] = round(time.time() - self.start, 1)
         self.data["triton_cache"]["autotune_results_after"] = triton_cache()["autotune_results"]
+        self.data["inductor_cache"]["files_after"] = inductor_cache()["files"]
         for path in self.paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, self.data)

@@ -9,6 +9,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.errors import ConfigError, DFlashError
+from dflash.layout import COMPILE_CACHES, compile_cache_dirs
 
 log = logging.getLogger("dflash")
 
@@ -32,6 +33,8 @@ def to_job(cfg: DictConfig):
         if isinstance(cause, ConfigError):
             fail(cause)
         raise
+    if hasattr(job, "run"):
+        use_compile_caches(job.run.compile_cache)
     if hasattr(job, "provenance"):
         from dflash.provenance import check_allowed
 
@@ -40,6 +43,17 @@ def to_job(cfg: DictConfig):
         except ConfigError as e:
             fail(e)
     return job
+
+
+def use_compile_caches(folder: str | None = None) -> dict[str, str]:
+    """Point Triton's and TorchInductor's caches (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR) at `folder`'s triton/
+    and inductor/ (run.compile_cache; None = $DFLASH_HOME/compile-cache), where the user has not exported them:
+    later runs and the other processes of a launch then find the kernels compiled and autotuned. Both libraries
+    read the variables when they first compile, so this runs as the entry points start. Returns the two in effect."""
+    for var, path in compile_cache_dirs(folder).items():
+        if not os.environ.get(var):
+            os.environ[var] = str(path)
+    return {var: os.environ[var] for var in COMPILE_CACHES}
 
 
 def names_target(overrides: list[str]) -> bool:

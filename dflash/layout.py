@@ -11,17 +11,34 @@
     cache/<target>/<data>/features/    CacheLayout: manifest.json, shard-00000.safetensors + .json
                                        verified/rank-00000.json (what each process verified)
     cache/<target>/eval-.../           the held-out set (completions.jsonl, features-L.../)
+    $DFLASH_HOME/ (~/.cache/dflash)    home(): targets/<name> (built-in targets), compile-cache/{triton,inductor}
 
-Paths only: nothing here reads or writes.
+Paths only: nothing here reads or writes (home() reads $DFLASH_HOME).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 STEP_DIR = re.compile(r"step-(\d+)")
+
+
+COMPILE_CACHES = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+"""The compile caches' environment variables and their folder in the compile cache (run.compile_cache)."""
+
+
+def home() -> Path:
+    """dflash's own folder across runs: $DFLASH_HOME, else ~/.cache/dflash."""
+    return Path(os.environ.get("DFLASH_HOME") or "~/.cache/dflash").expanduser()
+
+
+def compile_cache_dirs(root: str | Path | None = None) -> dict[str, Path]:
+    """{TRITON_CACHE_DIR: <root>/triton, TORCHINDUCTOR_CACHE_DIR: <root>/inductor}; root None = home()/compile-cache."""
+    base = Path(root).expanduser() if root else home() / "compile-cache"
+    return {var: base / folder for var, folder in COMPILE_CACHES.items()}
 
 
 def step_name(step: int) -> str:

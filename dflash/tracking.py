@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash.config import JobConfig, LoggerConfig
 from dflash.errors import NotFoundError
 from dflash.io import read_json, write_json
-from dflash.layout import RunLayout
+from dflash.layout import COMPILE_CACHES, RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +173,14 @@ class RunLogger:
         if not main:
             return
         info = read_json(run.info) if run.info.exists() else {}
-        fields = {}
+        # where this process's compiled kernels go (dflash.cli.use_compile_caches): a slow first step is explained
+        fields = {"compile_cache": {var: os.environ.get(var) for var in COMPILE_CACHES}}
         if cfg.backend == "wandb" and cfg.mode != "disabled":
             sweep, _, overrides = sweep_info()
             group = cfg.group or info.get("wandb_group") or sweep
             self.wandb = self._start_wandb(info, job, job_type, group, overrides)
-            fields = {"wandb_id": self.wandb.id, "wandb_project": cfg.project, "wandb_entity": cfg.entity,
-                      "wandb_mode": cfg.mode, "wandb_group": group}
+            fields |= {"wandb_id": self.wandb.id, "wandb_project": cfg.project, "wandb_entity": cfg.entity,
+                       "wandb_mode": cfg.mode, "wandb_group": group}
         record_run(run, **fields)
 
     def _start_wandb(self, info: dict, job: JobConfig | None, job_type: str, group: str | None,

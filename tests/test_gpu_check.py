@@ -196,6 +196,10 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
     (cache / "3f2a").mkdir(parents=True)
     (cache / "3f2a" / "l2norm_fwd_kernel.autotune.json").write_text("{}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    inductor = tmp_path / "inductor"
+    (inductor / "fx").mkdir(parents=True)
+    (inductor / "fx" / "graph").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     results = tmp_path / "results"
     results.mkdir()
     earlier = results / f"{time.strftime('%Y-%m-%d')}-{_machine_tag(machine())}-gpu-check.json"
@@ -209,6 +213,7 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
     assert report["device"] == "cpu" and report["waves"] == [[n] for n in names]
     assert all(report["checks"][n]["alone"] for n in names)
     assert report["triton_cache"] == {"dir": str(cache), "autotune_results_before": 1, "autotune_results_after": 1}
+    assert report["inductor_cache"] == {"dir": str(inductor), "files_before": 1, "files_after": 1}
     tuned = report["checks"][names[0]]["triton_autotuning"]
     assert (tuned["count"], tuned["seconds"]) == (2, 9.97)
     assert tuned["runs"] == [
@@ -525,3 +530,16 @@ def test_the_sharded_extraction_check_judges_each_target_and_process(monkeypatch
     out = gpu_checks.sharded_extraction(60)
     assert out["status"] == ("PASS" if case == "pass" else "FAIL"), out["summary"]
     assert case == "pass" or "tiny_qwen3_moe" in out["summary"]
+
+
+def test_the_gpu_check_keeps_its_compile_caches_in_the_checkout():
+    """bench/gpu_check.sh points Triton's and TorchInductor's caches at build/compile-cache (ignored by git), so a
+    later check on the machine reuses them; a cache directory exported before is kept."""
+    script = (REPO / "bench/gpu_check.sh").read_text()
+    exports = [ln for ln in script.splitlines() if ln.startswith("export ") and "_CACHE_DIR=" in ln]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TRITON_CACHE_DIR": "/mine"}
+    shown = subprocess.run(["bash", "-c", "\n".join([*exports, 'echo "$TRITON_CACHE_DIR $TORCHINDUCTOR_CACHE_DIR"'])],
+                           cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert shown == ["/mine", str(REPO / "build/compile-cache/inductor")]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "build/compile-cache/triton"], cwd=REPO, check=False)
+    assert ignored.returncode == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dflash.config.checks import ConfigError, one_of, positive
 
@@ -295,6 +296,19 @@ class RunConfig:
     name: str | None = None
     """Run folder name; null = <date>-<time>-<target>(-<overrides> in multirun) for training,
     the most recent run for evaluation."""
+    compile_cache: str | None = None
+    """Folder of the Triton and TorchInductor compile caches (triton/, inductor/), shared by every run and process
+    so compiled kernels and autotuning results are reused; null = $DFLASH_HOME/compile-cache (~/.cache/dflash/
+    compile-cache). A TRITON_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR you export wins over it."""
+
+    def __post_init__(self) -> None:
+        if self.compile_cache is not None:
+            if not str(self.compile_cache).strip():
+                raise ConfigError("run.compile_cache is empty: give a folder (e.g. run.compile_cache=/scratch/dflash-"
+                                  "compile) or null for $DFLASH_HOME/compile-cache")
+            if Path(self.compile_cache).expanduser().is_file():
+                raise ConfigError(f"run.compile_cache={self.compile_cache} is a file: give a folder (created when "
+                                  f"missing) or null for $DFLASH_HOME/compile-cache")
 
 
 @dataclass

@@ -6,10 +6,11 @@ Each is written with `save_pretrained` into a directory and then loaded through 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
+
+from dflash.layout import home
 
 TINY_SEED = 1234
 
@@ -135,7 +136,7 @@ INSTALL_MARK = ".dflash-install"  # in a built-in target's folder: dflash wrote 
 
 def default_dir(name: str) -> Path:
     """Where conf/target/<name>.yaml installs a built-in target: $DFLASH_HOME/targets/<name>."""
-    return Path(os.environ.get("DFLASH_HOME", "~/.cache/dflash")).expanduser() / "targets" / name
+    return home() / "targets" / name
 
 
 def installed_by_dflash(name: str, dest: Path) -> bool:

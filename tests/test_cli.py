@@ -1,0 +1,57 @@
+"""The entry points' shared start-up (dflash.cli): the compile caches."""
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from dflash.cli import use_compile_caches
+from dflash.config import ConfigError, RunConfig
+from dflash.layout import home
+
+VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@pytest.fixture
+def unset(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    for var in VARS:
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def test_the_caches_go_under_the_home_when_unset(unset):
+    assert use_compile_caches() == {"TRITON_CACHE_DIR": str(unset / "home/compile-cache/triton"),
+                                    "TORCHINDUCTOR_CACHE_DIR": str(unset / "home/compile-cache/inductor")}
+    assert home() == unset / "home" and all(os.environ[v].startswith(str(unset / "home")) for v in VARS)
+
+
+def test_run_compile_cache_moves_them_and_exported_values_are_kept(unset, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/triton")
+    chosen = use_compile_caches(str(unset / "shared"))
+    assert chosen == {"TRITON_CACHE_DIR": "/users/own/triton", "TORCHINDUCTOR_CACHE_DIR": str(unset / "shared/inductor")}
+    assert use_compile_caches(str(unset / "other")) == chosen  # set once: every later process of a launch agrees
+
+
+def test_the_entry_points_set_them_as_they_start(unset):
+    """to_job (train.py, evaluate.py, extract.py) sets them from run.compile_cache before anything compiles."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.cli import to_job
+    from dflash.config import register_configs
+
+    register_configs()
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+    with initialize_config_dir(config_dir=os.path.abspath(conf), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run.compile_cache={unset / 'c'}"])
+    to_job(cfg)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(unset / "c/inductor")
+
+
+@pytest.mark.parametrize("bad, message", [(" ", "run.compile_cache is empty"), ("file", "is a file")])
+def test_a_bad_compile_cache_is_refused(tmp_path, bad, message):
+    if bad == "file":
+        bad = tmp_path / "f"
+        bad.write_text("")
+    with pytest.raises(ConfigError, match=message):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {"compile_cache": str(bad)}))
