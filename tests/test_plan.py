@@ -372,3 +372,23 @@ def test_moe_targets_count_the_experts_a_token_runs_through():
     experts = L * E * (H * 2 * inter + 2 * inter + inter * H + H)  # gate_up, its bias, down, its bias
     assert plan.active_params(moe_model, moe) == total - experts + experts * k // E
     assert plan.active_params(dense_model, dense) == sum(p.numel() for p in dense_model.parameters())
+
+
+def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
+    """python -m dflash.plan train.gradient_checkpointing=auto: each GPU size says whether auto turns checkpointing
+    on (the step without it does not fit) or off, and judges each GPU's fit by auto's step."""
+    import re
+
+    plan.main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=auto", "gpu_gb=[24,30,141]",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    off, on = out["peak"]["no checkpointing"]["gib"], out["peak"]["checkpointing"]["gib"]
+    assert 24 < on < 30 < off < 141 and out["auto_checkpointing"]  # 24.9 and 33.6 GiB
+    assert [g["auto_checkpointing"] for g in out["gpus"]] == [True, True, False]
+    assert [g["fits"] for g in out["gpus"]] == [False, True, True]
+    assert abs(out["gpus"][1]["free_gib"] - (30 - on)) < 1e-9 and abs(out["gpus"][2]["free_gib"] - (141 - off)) < 1e-9
+    plan.main(["experiment=qwen3_8b", "train.mode=offline", "gpu_gb=[30,141]"])  # false configured: auto still shown
+    text = capsys.readouterr().out
+    assert "auto  largest train.num_anchors" in text and "(configured)" in text
+    shown = re.findall(r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(on|off) ", text, re.M)
+    assert shown == [("30", "on"), ("141", "off")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflash.config.checks import ConfigError, one_of, positive
 
@@ -92,8 +93,10 @@ class TrainConfig:
     """torch.compile the drafter."""
     distributed: str = "ddp"
     """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
-    gradient_checkpointing: bool = False
-    """Recompute drafter layer activations in backward to save memory."""
+    gradient_checkpointing: Any = False
+    """Recompute drafter layer activations in backward to save memory: true, false, or auto (on a CUDA device, off
+    when the memory plan's peak of the step without it fits the device, with the plan's margin, else on; off on
+    CPU). The run logs which auto chose and why; `python -m dflash.plan` shows it per GPU size."""
     num_workers: int = 1
     """DataLoader worker processes."""
     save_dtype: str = "bfloat16"
@@ -109,6 +112,9 @@ class TrainConfig:
         one_of("train.attention", self.attention, {"auto", "flex", "sdpa"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
         one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
+        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
+            raise ConfigError(f"train.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; expected "
+                              f"true, false or auto")
         for key in ("epochs", "max_steps", "batch_size", "grad_accum", "num_anchors", "log_every",
                     "save_every", "keep_last"):
             positive(f"train.{key}", getattr(self, key))

@@ -181,7 +181,7 @@ def _composed_checkpointing(overrides: tuple[str, ...]) -> bool:
     from dflash.plan.compose import compose
 
     try:
-        return bool(compose(list(overrides))["train"].gradient_checkpointing)
+        return compose(list(overrides))["train"].gradient_checkpointing is True  # auto: not recorded, taken as off
     except Exception:  # noqa: BLE001 - overrides this checkout no longer composes: taken as a plain step
         return False
 

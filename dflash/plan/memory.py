@@ -307,6 +307,20 @@ def peak(s: Shape, u: Setup, among: tuple[str, ...] | None = None) -> tuple[floa
     return total * (1 + u.fragmentation) + u.allowance, phase
 
 
+def choose_checkpointing(s: Shape, u: Setup, budget: float | None) -> tuple[bool, str]:
+    """What train.gradient_checkpointing=auto chooses for a device of `budget` bytes (None: not a CUDA device): off
+    when the step's peak without it (with the fragmentation and allowance as margin) fits, else on; off on CPU, so
+    CPU runs compute as before. Returns (on, the reason in words, with both peaks)."""
+    if budget is None:
+        return False, "off (not a CUDA device)"
+    off, on = (peak(s, replace(u, checkpointing=c))[0] for c in (False, True))
+    figures = (f"planned peak {off / GiB:.1f} GiB without it, {on / GiB:.1f} GiB with it; the device has "
+               f"{budget / GiB:.1f} GiB")
+    if off <= budget:
+        return False, f"off: the step fits without it ({figures})"
+    return True, f"on: the step does not fit without it ({figures})"
+
+
 def max_anchors(s: Shape, u: Setup, budget: float) -> int:
     """The largest num_anchors whose peak fits `budget` bytes (0 if none). Memory grows linearly with
     the anchors but for the loss chunk's cap, so a bisection finds it."""
@@ -371,13 +385,14 @@ def shape_of(drafter, vocab: int, tied: bool = False, **target) -> Shape:
 def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowance: float = 2 * GiB,
              fragmentation: float = 0.1, optim=None) -> Setup:
     """The Setup of a configured step (the target, train, loss and noise config groups, data.max_length) on one of
-    `world` processes; train.attention=auto and mixed_precision=auto are what they are on a GPU (flex, bf16)."""
+    `world` processes; train.attention=auto and mixed_precision=auto are what they are on a GPU (flex, bf16);
+    gradient_checkpointing=auto is off here (choose_checkpointing decides it for a device)."""
     from dflash.target.loading import DTYPES
 
     return Setup(ctx_len=max_length, num_anchors=train.num_anchors, batch=train.batch_size,
                  grad_accum=train.grad_accum, compute=4 if train.mixed_precision == "no" else 2,
                  frozen=DTYPES[target.dtype].itemsize, backend="sdpa" if train.attention == "sdpa" else "flex",
-                 checkpointing=train.gradient_checkpointing, chunk_logits=loss.chunk_logits,
+                 checkpointing=train.gradient_checkpointing is True, chunk_logits=loss.chunk_logits,
                  noise=noise.kind != "none", online=train.mode == "online", world=world,
                  distributed=train.distributed, allowance=allowance, fragmentation=fragmentation,
                  tensor_parallel=target.tensor_parallel, target_attention=target.attn_implementation,

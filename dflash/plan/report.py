@@ -16,8 +16,8 @@ from dataclasses import asdict, replace
 import dflash.plan.costs as costs
 from dflash.plan.compose import compose
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, max_anchors, \
-    moe_experts, peak, setup_of, shape_of, sliding_window, terms
+from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, choose_checkpointing, \
+    max_anchors, moe_experts, peak, setup_of, shape_of, sliding_window, terms
 from dflash.plan.targets import target_config
 
 PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
@@ -93,20 +93,27 @@ def make_run(job: dict, opts: dict, experiment: str | None = None) -> Run:
                disk_tb=opts.get("disk_tb", 20.0))
 
 
-def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run: Run | None = None) -> dict:
+def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run: Run | None = None,
+              auto_checkpointing: bool = False) -> dict:
     """Terms, peaks and the largest num_anchors per GPU size, in GiB (what --json prints); with the meta
-    drafter and a Run, also the run's needs offline and online (dflash/plan/costs.py)."""
+    drafter and a Run, also the run's needs offline and online (dflash/plan/costs.py). Each GPU size says what
+    train.gradient_checkpointing=auto chooses there; with auto_checkpointing (the configured value) its step is
+    the one each GPU's fit is judged by."""
     t = {k: v / GiB for k, v in terms(shape, setup).items()}
     peaks, gpus = {}, []
     for name, ckpt in MODES.items():
         total, phase = peak(shape, replace(setup, checkpointing=ckpt))
         peaks[name] = {"gib": total / GiB, "phase": phase}
-    chosen = peaks["checkpointing" if setup.checkpointing else "no checkpointing"]["gib"]
     for gb in gpu_gb:
-        gpus.append({"gpu_gib": gb, "fits": chosen <= gb, "free_gib": gb - chosen, "max_num_anchors": {
-            name: max_anchors(shape, replace(setup, checkpointing=ckpt), gb * GiB) for name, ckpt in MODES.items()}})
+        auto = choose_checkpointing(shape, setup, gb * GiB)[0]  # what train.gradient_checkpointing=auto takes there
+        chosen = peaks["checkpointing" if (auto if auto_checkpointing else setup.checkpointing)
+                       else "no checkpointing"]["gib"]
+        gpus.append({"gpu_gib": gb, "auto_checkpointing": auto, "fits": chosen <= gb, "free_gib": gb - chosen,
+                     "max_num_anchors": {name: max_anchors(shape, replace(setup, checkpointing=ckpt), gb * GiB)
+                                         for name, ckpt in MODES.items()}})
     masks = {k: v / setup.batch for k, v in block_mask_bytes(shape, setup).items()} if setup.backend == "flex" else {}
     out = {"shape": asdict(shape), "setup": asdict(setup), "terms_gib": t, "peak": peaks, "gpus": gpus,
+           "auto_checkpointing": auto_checkpointing,
            "block_mask_bytes_per_sequence": masks}
     if drafter is not None and run is not None:
         per_token = costs.cache_bytes_per_token(shape, run.storage)
@@ -147,13 +154,18 @@ def render(plan: dict, drafter, title: str) -> str:
                      f"to build (create_block_mask's dense build: {masks['dense before'] / GiB:.2f} GiB)")
     lines.append(f"  peak = persistent terms + the largest phase, + {u['fragmentation']:.0%} fragmentation + allowance:")
     for name, p in plan["peak"].items():
-        chosen = "  (configured)" if (name == "checkpointing") == u["checkpointing"] else ""
+        configured = not plan.get("auto_checkpointing") and (name == "checkpointing") == u["checkpointing"]
+        chosen = "  (configured)" if configured else ""
         lines.append(f"  {'peak, ' + name:<38} {p['gib']:9.2f} GiB  at {p['phase']}{chosen}")
-    lines += ["", f"  {'GPU':<9} {'configured step':<24} largest train.num_anchors: no checkpointing / checkpointing"]
+    lines += ["", f"  {'GPU':<9} {'configured step':<24} {'auto':<5} largest train.num_anchors: no checkpointing / "
+                  f"checkpointing"]
     for g in plan["gpus"]:
         fit = f"fits, {g['free_gib']:.1f} GiB free" if g["fits"] else f"short by {-g['free_gib']:.1f} GiB"
         n = g["max_num_anchors"]
-        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {n['no checkpointing']} / {n['checkpointing']}")
+        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {'on' if g['auto_checkpointing'] else 'off':<5} "
+                     f"{n['no checkpointing']} / {n['checkpointing']}")
+    lines.append("  (auto: what train.gradient_checkpointing=auto chooses on that GPU: off where the step fits without "
+                 "it" + ("; configured, so each GPU's step is auto's)" if plan.get("auto_checkpointing") else ")"))
     if any(n >= u["ctx_len"] for g in plan["gpus"] for n in g["max_num_anchors"].values()):
         lines.append(f"  (a sequence has at most {u['ctx_len'] - 1} anchors; flex pads micro-batches to "
                      f"train.num_anchors blocks, so memory follows train.num_anchors)")
@@ -186,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         fail(cause)
     experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
-    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment))
+    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment),
+                     auto_checkpointing=job["train"].gradient_checkpointing == "auto")
     as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(overrides) or "conf/train.yaml"))

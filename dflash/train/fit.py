@@ -7,7 +7,8 @@ drafter under DDP (34 GiB of float32 weights, gradients, AdamW moments and DDP's
 more than an 80 GB GPU holds before the first activation (`check_online_fit`). Then the whole step at
 data.max_length, by the memory plan's peak (dflash.plan.memory, what `python -m dflash.plan` prints): activations
 grow with the length, and a 32k-token step can be 10 GiB more than a 3k one (`check_length_fit`). Each run stops
-here naming the figures and the ways out.
+here naming the figures and the ways out. train.gradient_checkpointing=auto is decided here too, by the same plan
+(`resolve_checkpointing`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,23 @@ def planned_step(job: JobConfig):
     shape = memory.shape_of(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), **online)
     return shape, memory.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size(),
                                   optim=job.optim)
+
+
+def resolve_checkpointing(job: JobConfig, device: torch.device) -> bool:
+    """train.gradient_checkpointing=auto made true or false for `device` (memory.choose_checkpointing: off where the
+    planned step fits it without, else on; off on CPU, or when the drafter cannot be planned before loading), in
+    job.train, with one line saying which and why. true and false stay as they are."""
+    if job.train.gradient_checkpointing != "auto":
+        return job.train.gradient_checkpointing
+    budget = placement.device_memory(device)
+    planned = None if budget is None else planned_step(job)
+    if budget is not None and planned is None:
+        on, why = False, "off (drafter.init_from has no config.json yet: the step cannot be planned)"
+    else:
+        on, why = memory.choose_checkpointing(*(planned or (None, None)), budget)
+    job.train.gradient_checkpointing = on
+    log.info("train.gradient_checkpointing=auto on %s: %s", device, why)
+    return on
 
 
 def check_length_fit(job: JobConfig, device: torch.device) -> None:

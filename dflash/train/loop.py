@@ -212,8 +212,10 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
         scheduler.load_state_dict(resumed["scheduler"])
     if resumed:
         state.step, state.best_tau = resumed["state"]["step"], resumed["state"].get("best_tau")
-    if job.train.gradient_checkpointing:  # the drafter's own flag (DFlashDraftModel.forward), which transformers'
-        drafter.gradient_checkpointing = True  # version-renamed enable methods also set
+    # auto is true or false by now (fit.resolve_checkpointing); the drafter's own flag (DFlashDraftModel.forward),
+    # which transformers' version-renamed enable methods also set
+    if job.train.gradient_checkpointing is True:
+        drafter.gradient_checkpointing = True
     model = torch.compile(drafter) if job.train.compile else drafter
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     # train_state/weights_fp32.safetensors is the float32 copy of the weights (loaded before prepare), so
