@@ -156,7 +156,8 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
 
 def check_mixture(job: JobConfig, manifest: dict) -> None:
     """check_data for a mixture (data.sources): every source's name, prompts (read again: their count and hash),
-    rendering and sampling must be the cache's, in order, and so must data.max_length. The weights are not: they
+    rendering, sampling, truncation and tool-result handling must be the cache's, in order, and so must
+    data.max_length. The weights are not: they
     choose among the cached sequences, the features are the same."""
     now = []
     for source in sources_of(job.data):
@@ -166,12 +167,15 @@ def check_mixture(job: JobConfig, manifest: dict) -> None:
                     "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
                     "chat_template": data.chat_template, "enable_thinking": data.enable_thinking,
                     "chat_template_kwargs": dict(data.chat_template_kwargs), "completions_sampling": sampling(source),
-                    "truncated_kept": data.completions.truncated == "keep"})
+                    "truncated_kept": data.completions.truncated == "keep",
+                    "tool_results_kept": data.tools.keep_results})
     made = manifest.get("data", {}).get("sources", [])
-    there = [{k: m.get(k, True if k == "truncated_kept" else None) for k in now[0]} for m in made]
+    # tool_results_kept is recorded for a source with tool conversations only (as check_data compares it)
+    now = [{k: v for k, v in n.items() if k != "tool_results_kept" or k in m} for n, m in zip(now, made)] + now[len(made):]
+    there = [{k: m.get(k, True if k == "truncated_kept" else None) for k in n} for n, m in zip(now, made)]
     diffs = [f"source {b.get('name') or a.get('name')}: {differences(a, b)}" for a, b in zip(there, now) if a != b]
-    if len(there) != len(now):
-        diffs.insert(0, f"{len(there)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")
+    if len(made) != len(now):
+        diffs.insert(0, f"{len(made)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")
     if manifest.get("max_length") != job.data.max_length:
         diffs.append(f"max_length: {manifest.get('max_length')} there, {job.data.max_length} now")
     if diffs:

@@ -137,3 +137,29 @@ def test_a_cache_of_tool_conversations_is_refused_for_another_data_tools_keep_re
     manifest["data"]["tool_results_kept"] = False
     with pytest.raises(CacheError, match="tool_results_kept: False there, True now"):
         sources.check_data(job, manifest)
+
+
+def test_a_mixture_cache_is_refused_for_another_data_tools_keep_results(tmp_path):
+    """check_mixture compares a source's tool-result handling as check_data does: where the cache recorded it (the
+    source had tool conversations), another data.tools.keep_results is another data set; a source that recorded
+    none is not refused for it."""
+    from dflash.data.mixture import sampling, sources_of
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    job = job_for(tmp_path, prompts, "data.tools.keep_results=true", "data.regenerate=all_turns",
+                  f"data.sources=[{{prompts: {prompts}, weight: 1, name: a}}, {{prompts: {prompts}, weight: 1, name: b}}]")
+    listed = []
+    for source in sources_of(job.data):
+        data = source.data
+        listed.append({"name": source.name, "prompts": data.prompts, "num_prompts": 2,
+                       "prompts_sha256": prompts_hash(training_prompts(data)), "chat_template": data.chat_template,
+                       "enable_thinking": data.enable_thinking, "chat_template_kwargs": dict(data.chat_template_kwargs),
+                       "completions_sampling": sampling(source)})
+    manifest = {"max_length": job.data.max_length, "data": {"sources": listed}}
+    sources.check_data(job, manifest)  # nothing recorded about tool results: not refused
+    listed[1]["tool_results_kept"] = True
+    sources.check_data(job, manifest)
+    listed[1]["tool_results_kept"] = False
+    with pytest.raises(CacheError, match="source b: tool_results_kept: False there, True now"):
+        sources.check_data(job, manifest)
