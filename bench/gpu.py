@@ -264,19 +264,22 @@ def preset_drafter(job: dict, device):
     return drafter, embed, head
 
 
-def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) -> dict:
+def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, budget_s: float | None = None) -> dict:
     """One training step of an experiment preset at its configured shape (data.max_length tokens, all
     response, train.num_anchors blocks spread evenly; bf16 autocast unless train.mixed_precision=no;
     flex unless train.attention=sdpa; clipping and AdamW as training runs them): time of the first
     step (compiles), median of `repeat` more, tokens/s, MFU, dynamo's graphs and recompiles, and the
     peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak), and of
-    one more forward and backward alone (no optimizer step), each next to the plan's for the same shape."""
+    one more forward and backward alone (no optimizer step), each next to the plan's for the same shape. Last,
+    one more step under torch.profiler (bench.gpu_profile: time by op class, top kernels) unless what is left
+    of `budget_s` (seconds from the call) is below `profile_cost`: then "profile" says it was skipped."""
     from dflash import plan
     from dflash.plan.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
 
+    called = time.time()
     job, shape, setup = preset_job(overrides)
     optim = OptimConfig()  # the training default: AdamW fused on CUDA (optim.fused=auto), no foreach temporary
     setup = replace(setup, foreach=False)
@@ -330,6 +333,18 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
             measured, window = mem.peak, part.peak
         opt.zero_grad(set_to_none=True)  # no optimizer step on the gradients of that one
         timed_compiled = _compiled_between(after_first, watch.mark())
+    need, left = profile_cost(t), (budget_s - (time.time() - called)) if budget_s is not None else float("inf")
+    if left < need:
+        profile = {"skipped": f"{left:.0f} s of the {budget_s:.0f} s budget left, a profiled step needs about "
+                              f"{need:.0f} s"}
+    else:
+        from bench.gpu_profile import profile_step
+
+        try:  # the profile says where the time went; it never fails the check
+            profile = profile_step(step, device)
+        except Exception as e:  # noqa: BLE001 - e.g. a profiler without CUPTI
+            profile = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        opt.zero_grad(set_to_none=True)
     estimate, phase = plan.peak(shape, setup)
     # the forward and backward alone, whose peak the activations set: the whole step's is the optimizer's
     window_plan, window_phase = plan.peak(shape, setup, BACKWARD)
@@ -358,7 +373,14 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) 
         "activation_peak_gib": round(window / 2**30, 3), "plan_activation_peak_gib": round(window_plan / 2**30, 3),
         "plan_activation_phase": window_phase, "plan_activation_over_measured": round(window_plan / window, 3),
         "activation_rise_gib": round((window - start) / 2**30, 3),
-        "plan_activation_rise_over_measured": round(rise_plan / (window - start), 3)}
+        "plan_activation_rise_over_measured": round(rise_plan / (window - start), 3),
+        "profile": profile}
+
+
+def profile_cost(step_s: float) -> float:
+    """Seconds to budget for one profiled step of `step_s`: the profiler's start (CUPTI's, on CUDA), the step
+    slowed by recording its ops, and reading the trace back."""
+    return 15 + 10 * step_s
 
 
 def autocast_gap(device, dims: dict, length: int, num_anchors: int, backend: str) -> dict:

@@ -95,27 +95,29 @@ def flex_train_step(budget: float) -> dict:
 
 def qwen3_6_step(budget: float) -> dict:
     """The Qwen3.6-27B drafter's compiled flex training step at 3072 tokens and 512 anchors
-    (bench.gpu.preset_step), judged by `preset_verdict`."""
+    (bench.gpu.preset_step), judged by `preset_verdict`; with one step's profile by op class
+    (bench.gpu_profile), skipped when the budget is spent."""
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (a 1.8B-parameter drafter step through flex attention; "
                                              "tests/test_gpu_check.py runs the same code on CPU at a tiny size)"}
     from bench.gpu import QWEN3_6_PRESET, preset_step
 
-    return preset_verdict(preset_step(device, QWEN3_6_PRESET))
+    return preset_verdict(preset_step(device, QWEN3_6_PRESET, budget_s=budget))
 
 
 def qwen3_6_dflash2_step(budget: float) -> dict:
     """The published 27B DFlash 2 drafter's compiled flex step (5 non-causal sliding layers, blocks of 8, the
     convolutions and the selector's loss) at 3072 tokens and 512 anchors, judged by `preset_verdict`: the plan's
-    DFlash 2 terms against the measured peak. Run alone, after the other two timing checks."""
+    DFlash 2 terms against the measured peak, and one step's profile by op class. Run alone, after the other two
+    timing checks."""
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (a 2.0B-parameter DFlash 2 drafter step through flex "
                                              "attention)"}
     from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_step
 
-    return preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET))
+    return preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET, budget_s=budget))
 
 
 def autocast_loss(budget: float) -> dict:

@@ -80,8 +80,20 @@ def preset_verdict(out: dict) -> dict:
                  f"{out['mask_kinds']} mask kinds, {out['timed_steps_compiled']['graphs']} after; peak "
                  f"{out['peak_memory_gib']} GiB, plan {out['plan_peak_gib']} GiB (x{ratio}, {out['plan_phase']}); "
                  f"forward and backward {out['activation_peak_gib']} GiB, plan {out['plan_activation_peak_gib']} GiB "
-                 f"(x{act}, {out['plan_activation_phase']}; rise x{rise})")
+                 f"(x{act}, {out['plan_activation_phase']}; rise x{rise})" + profile_figures(out.get("profile")))
     return {"status": "FAIL" if why else "PASS", "summary": "; ".join(why) + (": " if why else "") + figures, **out}
+
+
+def profile_figures(profile: dict | None) -> str:
+    """The profiled step in a few words: the classes' shares, largest first (or why there is no profile). A
+    profile never fails the check: it says where the time went."""
+    if not profile:
+        return ""
+    if "skipped" in profile or "error" in profile:
+        return f"; profile: {profile.get('skipped') or profile['error']}"
+    shares = sorted(((v["share"], c) for c, v in profile["classes"].items() if v["share"] >= 0.005), reverse=True)
+    return (f"; profile ({profile['activity']} {profile['total_ms']:.1f} ms): "
+            + ", ".join(f"{c} {share:.0%}" for share, c in shares))
 
 
 def kernel_verdict(out: dict, label: str) -> tuple[list[str], str]:
