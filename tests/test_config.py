@@ -194,7 +194,7 @@ def test_the_selector_defaults_are_todays_training():
     the codebooks decayed as any matrix, no dropout."""
     loss = compose("train", ["drafter=dflash2"]).loss
     assert {k: getattr(loss, k) for k in vars(loss) if k.startswith("selector_")} == {
-        "selector_weight": 1.0, "selector_gradient": "detach_unary", "selector_gold": "inject",
+        "selector_weight": 1.0, "selector_gradient": "coupled", "selector_gold": "inject",
         "selector_warmup_ratio": 0.0, "selector_ramp_ratio": 0.0, "selector_init": "normal",
         "selector_weights": "decay", "selector_labels": "data", "selector_decay": None, "selector_dropout": 0.0}
 

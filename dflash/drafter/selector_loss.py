@@ -6,7 +6,7 @@ unary scores), so the LM head runs once per row. Per row (hidden h [H], gold tok
 gold token, the anchor at slot 1; teacher forcing): the candidates are the unary top-K, the scores
 unary(c) + P[a] (W h) S[c], and the row loss is the CE of the gold token's place among them.
 
-- gradient: `coupled` (the public trainers' default) lets the selector's gradient reach the unary scores too, so
+- gradient: `coupled` (the public trainers' default, and ours since issue 50) lets the selector's gradient reach the unary scores too, so
   the drafter's logits learn to rank what the selector needs. That gradient is K-sparse: `_SparseUnary` adds it
   into the per-slot loss's own dense logits gradient with one scatter-add, where autograd's gather would make a
   second dense [rows, V] gradient and add the two (1.8x the DFlash step on the CPU benchmark). `detach_unary`
@@ -39,7 +39,7 @@ class SelectorOptions:
     """How the selector's loss is formed (loss.selector_gradient, selector_gold, selector_dropout,
     selector_weights; this module's docstring says what each does)."""
 
-    gradient: str = "detach_unary"
+    gradient: str = "coupled"
     gold: str = "inject"
     dropout: float = 0.0
     weights: str = "decay"

@@ -14,7 +14,7 @@ from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, sele
 from dflash.drafter.loss import block_terms, slot_weights
 from dflash.drafter.build import drafter_config
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.selector_loss import selector_ce
+from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 from tests.drafter.test_blocks import assert_packed_equals_one_block
 from tests.drafter.test_model import TARGET, inputs
 from tests.zlab import reference
@@ -101,7 +101,8 @@ def test_selector_loss_puts_the_gold_token_among_the_candidates_and_chooses_as_s
     with torch.no_grad():  # the missing gold token's pairwise score far above every candidate's
         mixed = sel.predecessor_codebook[7] * sel.hidden_projection(hidden[2])
         sel.successor_codebook[labels[2]] = 100 * mixed / mixed.norm()
-    _, (ce, choice, oracle, counted) = selector_ce(sel, hidden, logits, labels, prev)
+    _, (ce, choice, oracle, counted) = selector_ce(sel, hidden, logits, labels, prev,
+                                                   options=SelectorOptions(gradient="detach_unary"))
     assert counted.all()  # gold=inject: every row counts
     for i in range(3):
         strict = order[i, :4].clone()
@@ -121,7 +122,7 @@ def test_selector_loss_puts_the_gold_token_among_the_candidates_and_chooses_as_s
     ce.sum().backward()
     assert sel.predecessor_codebook.grad[5:8].abs().sum() > 0 and sel.hidden_projection.weight.grad.abs().sum() > 0
     assert hidden.grad.abs().sum() > 0  # through the projection: the drafter is trained by the selector too
-    assert logits.grad is None  # the unary scores are the per-slot loss's to train (selector_ce says why)
+    assert logits.grad is None  # detach_unary: the unary scores are the per-slot loss's to train
 
 
 def test_joint_loss_terms_weigh_the_selector_by_the_decay_weights():

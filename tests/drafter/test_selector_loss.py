@@ -78,7 +78,7 @@ def test_coupled_gradients_are_plain_autograds(chunk, weighting, scales):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), name
     # and the detached gradient is not that: the coupled one reaches the unary logits
     detached = block_terms(hidden, W, labels, mask, 2.0, chunk, selector=sel, scales=scales,
-                           selector_options=SelectorOptions(weights="follow"), **options)
+                           selector_options=SelectorOptions(gradient="detach_unary", weights="follow"), **options)
     assert not torch.allclose(grads(detached.loss_sum + detached.selector_sum, W)[0], ours[1], rtol=1e-3)
 
 
