@@ -133,14 +133,20 @@ def planned_step(job: JobConfig):
                                   optim=job.optim)
 
 
-def resolve_checkpointing(job: JobConfig, device: torch.device) -> bool:
+def step_plan(job: JobConfig, device: torch.device) -> tuple:
+    """(`device`'s memory in bytes or None where it is not a CUDA device, `planned_step` or None): what
+    resolve_checkpointing and check_length_fit judge, built once for both (it builds the drafter on meta)."""
+    budget = placement.device_memory(device)
+    return budget, (None if budget is None else planned_step(job))
+
+
+def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | None = None) -> bool:
     """train.gradient_checkpointing=auto made true or false for `device` (memory.choose_checkpointing: off where the
     planned step fits it without, else on; off on CPU, or when the drafter cannot be planned before loading), in
-    job.train, with one line saying which and why. true and false stay as they are."""
+    job.train, with one line saying which and why. true and false stay as they are. plan: `step_plan`'s."""
     if job.train.gradient_checkpointing != "auto":
         return job.train.gradient_checkpointing
-    budget = placement.device_memory(device)
-    planned = None if budget is None else planned_step(job)
+    budget, planned = plan or step_plan(job, device)
     if budget is not None and planned is None:
         on, why = False, "off (drafter.init_from has no config.json yet: the step cannot be planned)"
     else:
@@ -150,15 +156,16 @@ def resolve_checkpointing(job: JobConfig, device: torch.device) -> bool:
     return on
 
 
-def check_length_fit(job: JobConfig, device: torch.device) -> None:
+def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = None) -> None:
     """Refuse a data.max_length whose step the memory plan says does not fit `device` (CUDA devices only), in one
     line: the planned peak, the device's memory and the fixes with their figures (the longest data.max_length and
-    the most train.num_anchors that fit, gradient checkpointing, FSDP)."""
-    budget = placement.device_memory(device)
-    planned = None if budget is None else planned_step(job)
+    the most train.num_anchors that fit, gradient checkpointing, FSDP). plan: `step_plan`'s, made before
+    resolve_checkpointing: the step is judged with the checkpointing job.train now holds."""
+    budget, planned = plan or step_plan(job, device)
     if planned is None:
         return
     shape, setup = planned
+    setup = replace(setup, checkpointing=job.train.gradient_checkpointing is True)
     need, phase = memory.peak(shape, setup)
     if need <= budget:
         return

@@ -23,7 +23,7 @@ from dflash.provenance import check_provenance, differences, features_manifest, 
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.train.batches import CachedSource, SequenceSource
-from dflash.train.fit import check_length_fit, check_online_fit, resolve_checkpointing
+from dflash.train.fit import check_length_fit, check_online_fit, resolve_checkpointing, step_plan
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ def training_target(job: JobConfig, device: torch.device) -> tuple[Target, list[
     offline = job.train.mode == "offline"
     if not offline:
         check_online_fit(job, device)
-    resolve_checkpointing(job, device)  # auto -> true or false, by the memory plan, before the length is checked
-    check_length_fit(job, device)
+    plan = step_plan(job, device)
+    resolve_checkpointing(job, device, plan)  # auto -> true or false, by the memory plan, before the length is checked
+    check_length_fit(job, device, plan)
     target = load_target(job.target, device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
     if target.model is None and not (fcache.is_complete(job.features.dir)

@@ -76,7 +76,7 @@ def test_tiny_online_target_is_refused_by_a_byte_and_loaded_when_it_fits(tiny_ta
     with pytest.raises(ConfigError, match=rf"target tiny_qwen3 {placement.gib(target_bytes)} .*float32\)"):
         sources.training_target(job, torch.device("cpu"))
     memory["bytes"] = need
-    monkeypatch.setattr(sources, "check_length_fit", lambda job, device: None)  # the whole step: its own test below
+    monkeypatch.setattr(sources, "check_length_fit", lambda job, device, plan=None: None)  # the whole step: its own test below
     target, _ = sources.training_target(job, torch.device("cpu"))
     assert target.model is not None
 
