@@ -72,8 +72,10 @@ def test_a_two_source_mixture_trains_and_its_cache_is_checked_source_by_source(t
     from dflash.train.loop import train
 
     monkeypatch.chdir(tmp_path)
+    # held-out answers of 32 tokens, not eval's 256: what is checked is which items and slices, not their length
     overrides = ["target=tiny_qwen3_5", "data=tiny", THINKING, "train.max_steps=4", "train.save_every=100",
-                 "eval.ddtree_budgets=[4]", "logger=none", f"run.root={tmp_path}/runs", "eval.slices=[thinking]"]
+                 "eval.ddtree_budgets=[4]", "eval.max_new_tokens=32", "logger=none", f"run.root={tmp_path}/runs",
+                 "eval.slices=[thinking]"]
     train(compose("train", [*overrides, "run.name=a"]))
     summary = json.loads((tmp_path / "runs/a/eval/step-000004/summary.json").read_text())["metrics"]
     assert summary["eval/slice/thinking/on/prompts"] == summary["eval/slice/thinking/off/prompts"] == 10
