@@ -146,7 +146,9 @@ def fake_killed_mid_write(budget):
     return {"status": "PASS", "summary": "never reached"}
 
 
-fake_killed_mid_write.timeout_s = 15
+# the time limits leave the check's process about 3x what it needs to start and write its first partial (2.3 s on
+# 2 CPU cores); the write it is killed in lasts 100 s, the broken check sleeps 60
+fake_killed_mid_write.timeout_s = 8
 
 
 def fake_broken_partial(budget):
@@ -155,7 +157,7 @@ def fake_broken_partial(budget):
     time.sleep(60)
 
 
-fake_broken_partial.timeout_s = 12
+fake_broken_partial.timeout_s = 7
 
 
 def fake_sleeps(budget):
@@ -252,7 +254,7 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     assert [checks[n]["status"] for n in names] == ["PASS", "FAIL", "FAIL", "PASS"]
     assert all(checks[n]["alone"] for n in names)  # on CPU one by one: each had the machine to itself
     killed, broken = checks[names[1]], checks[names[2]]
-    assert killed["summary"].startswith("timed out after 15 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
+    assert killed["summary"].startswith("timed out after 8 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
     logs = tmp_path / "out" / "gpu-check-logs"
     assert (logs / ".tests.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()  # killed inside the write
     assert "partial.json unreadable (JSONDecodeError" in broken["summary"] and "skipped" in broken["summary"]
