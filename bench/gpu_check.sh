@@ -12,6 +12,8 @@
 #   qwen3_6_dflash2_step  the same for the published 27B DFlash 2 drafter, also alone
 #   vllm_dflash2     DFlash 2 and mixed sliding/full drafters served by vLLM against our live evaluation (what
 #                    vLLM's CPU build in `make engines` refuses); SKIP where vllm is not installed
+#   serving_sweep    `make serving` on the GPU: throughput with and without a drafter at concurrency 1-32 in
+#                    vLLM, and the cost model's prediction of the ratio; SKIP where vllm is not installed
 #   gpu_tests        pytest -m gpu
 #   autocast_loss    bf16 autocast against float32 on the same batch: loss and gradient direction
 #   fla_kernels      hybrid targets (tiny, and with the real head dims of 128) with the fla kernels against

@@ -51,7 +51,7 @@ GRAD_COS_MIN = 0.99
 # autotunings each check ran and the cache's results before and after (bench/gpu_runner.py)
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "gpu_tests": 150, "autocast_loss": 150,
             "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150,
-            "sharded_extraction": 150}
+            "sharded_extraction": 150, "serving_sweep": 300}
 # their tokens/s and MFU need the GPU to themselves (the plan takes a preset's MFU from its step): the DFlash 2
 # step ran at MFU 0.15 beside the other checks and 0.20 alone on the first H200
 ALONE = ("flex_train_step", "qwen3_6_step", "qwen3_6_dflash2_step")
@@ -212,6 +212,32 @@ def vllm_dflash2(budget: float) -> dict:
             "result": out}
 
 
+def serving_sweep(budget: float) -> dict:
+    """`make serving` on the GPU: vLLM serves the tiny target alone and with a drafter at concurrency 1 to 32,
+    `vllm bench serve` drives both, and the cost model predicts the ratio from vLLM's own step times
+    (bench/serving.py). Needs vllm importable in this interpreter, as vllm_dflash2."""
+    import importlib.util
+
+    if _cuda() is None:
+        return {"status": "SKIP", "summary": "needs CUDA (make serving runs the sweep on vLLM's CPU build)"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"status": "SKIP", "summary": "vllm is not installed here; pip install vllm, then rerun this check"}
+    out = REPO / "build" / "serving-gpu" / "serving.json"
+    r = subprocess.run([sys.executable, "-m", "bench.serving", "--vllm-python", sys.executable, "--work",
+                        str(out.parent), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=max(budget, 60))
+    if r.returncode != 0 or not out.exists():
+        return {"status": "FAIL", "summary": f"bench.serving failed: {(r.stderr or r.stdout).strip()[-300:]}"}
+    import json
+
+    result = json.loads(out.read_text())
+    worst = max(v["max_abs_error"] for v in result["temperatures"].values())
+    crossings = {t: v["crossing"] for t, v in result["temperatures"].items()}
+    # the sweep is a measurement: it passes when it ran; how far the model is from it is reported, not judged
+    return {"status": "PASS", "summary": f"ratio crosses 1 at {crossings} (T: concurrency); the model within "
+                                         f"{worst:.0%} at worst", "result": result}
+
+
 SHARDED_TARGETS = ["tiny_qwen3", "tiny_qwen3_5", "tiny_qwen3_moe"]  # attention, hybrid, MoE (2 KV heads: TP <= 2)
 SHARDED_TOL = 1e-4  # float32 features; NCCL's reduction order moves them by ~1e-6 (gloo on a CPU: 6e-8)
 
@@ -255,11 +281,11 @@ def sharded_extraction(budget: float) -> dict:
 
 
 GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step", "vllm_dflash2",
-            "sharded_extraction"}
+            "sharded_extraction", "serving_sweep"}
 CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
           "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless,
           "qwen3_6_dflash2_step": qwen3_6_dflash2_step, "vllm_dflash2": vllm_dflash2,
-          "sharded_extraction": sharded_extraction}
+          "sharded_extraction": sharded_extraction, "serving_sweep": serving_sweep}
 
 
 def resolve(name: str):

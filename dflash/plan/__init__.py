@@ -1,7 +1,8 @@
 """Memory and cost planning of a training run, a user feature (`python -m dflash.plan`, DESIGN §1): the per-GPU
 peak of a step (memory.py, which training also reads to refuse a step that does not fit and to choose gradient
 checkpointing), model FLOPs (flops.py), the feature cache, host memory, GPU-hours and the set-up to train with
-(costs.py), the real targets' dimensions (targets.py), and the plan of a configured run in words (report.py)."""
+(costs.py), the real targets' dimensions (targets.py), the plan of a configured run in words (report.py), and what a
+drafter buys at a concurrency when served (serving.py: `python -m dflash.plan ... concurrency=[1,8,32] tau=...`)."""
 
 from dflash.plan.compose import compose
 from dflash.plan.memory import (BACKWARD, BUILD_BYTES, DENSE_MASK_BYTES, MODES, PERSISTENT, GiB, Setup, Shape,

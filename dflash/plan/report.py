@@ -21,7 +21,10 @@ from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, bl
 from dflash.plan.targets import target_config
 
 PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
-             "tokens_per_sequence": 0, "mfu": 0.0, "peak_tflops": 989.0, "disk_tb": 20.0}
+             "tokens_per_sequence": 0, "mfu": 0.0, "peak_tflops": 989.0, "disk_tb": 20.0,
+             # the serving section (dflash/plan/serving.py), printed instead of the training plan when concurrency
+             # is given
+             "concurrency": [], "gpu": "h200", "tau": "", "context": 1024, "output_tokens": 512, "overhead_ms": 0.0}
 
 def active_params(model, text) -> int:
     """Parameters a token runs through: all but the experts it is not routed to (the target forward's FLOPs)."""
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     opts, overrides = dict(PLAN_KEYS), []
     for arg in sys.argv[1:] if argv is None else argv:
         key, _, value = arg.partition("=")
-        if key == "gpu_gb":
+        if key in ("gpu_gb", "concurrency"):
             opts[key] = [float(v) for v in value.strip("[]").split(",") if v.strip()]
         elif key in PLAN_KEYS:
             opts[key] = type(PLAN_KEYS[key])(float(value) if isinstance(PLAN_KEYS[key], int) else value)
@@ -197,8 +200,17 @@ def main(argv: list[str] | None = None) -> None:
         if cause is e and not isinstance(e, (ConfigError, HydraException)):
             raise
         fail(cause)
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
+    if opts["concurrency"]:
+        from dflash.plan.serving import plan_serving, render_serving
+
+        try:
+            plan = plan_serving(shape, target_config(job["target"]), job["target"].path, opts)
+        except ConfigError as e:
+            fail(e)
+        print(json.dumps(plan, indent=2) if as_json else render_serving(plan))
+        return
     experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
     plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment),
                      auto_checkpointing=job["train"].gradient_checkpointing == "auto")
-    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(overrides) or "conf/train.yaml"))

@@ -1,0 +1,51 @@
+"""bench/serving.py, the concurrency sweep in vLLM: its parts that run without vLLM (the sweep itself is
+`make serving`, run by .ci/run beside `make engines`)."""
+
+import json
+import sys
+from collections import Counter
+
+import pytest
+
+from bench import serving
+from bench.engines.server import EngineError
+
+
+def test_every_run_holds_every_prompt_equally_often(tmp_path):
+    path, prompts, sizes = serving.write_prompts(tmp_path, [1, 8, 64, 128])
+    assert len(prompts) == 16 and sizes == [16, 16, 64, 128]
+    lines = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
+    for n in sizes:  # vllm bench serve --disable-shuffle takes the first n lines
+        assert set(Counter(lines[:n]).values()) == {n // 16}
+
+
+def test_a_drafter_the_engine_refuses_is_one_line_and_no_load_runs(tmp_path):
+    refuse = [sys.executable, "-c", "print('ValueError: dflash drafts need Triton on this build'); raise SystemExit(1)",
+              "--port", "{port}"]
+    with pytest.raises(EngineError, match="exited with code 1: ValueError: dflash drafts need Triton"):
+        serving.drive(sys.executable, refuse, [["--never-run"]], tmp_path, "drafter", timeout=30)
+    assert not (tmp_path / "drafter-load.json").exists()
+
+
+def test_no_vllm_venv_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="not there; `make engines` builds the vLLM venv"):
+        serving.main(["--vllm-python", str(tmp_path / "nope" / "python")])
+
+
+def result(ratios, predicted):
+    rows = [{"concurrency": c, "requests": 16, "plain_tok_s": 100.0 * c, "drafter_tok_s": 100.0 * c * r, "ratio": r,
+             "vllm_acceptance_length": 3.0, "predicted_ratio": p, "error": p / r - 1}
+            for c, r, p in zip((1, 2, 4), ratios, predicted)]
+    return {"target": "/t/tiny_qwen3_hd32", "drafter_from": "given", "num_speculative_tokens": 7, "output_len": 48,
+            "engine": {"vllm": "0.32.0+cpu"}, "machine": {"cores": 2},
+            "temperatures": {"0": {"our_acceptance": {"tau": 3.0}, "rows": rows, "crossing": 4,
+                                   "predicted_crossing": None, "max_abs_error": max(abs(r["error"]) for r in rows)}},
+            "model_within_tolerance": False}
+
+
+def test_the_verdict_and_the_plot_say_what_was_measured_and_predicted(tmp_path):
+    r = result([1.8, 1.3, 0.9], [1.7, 1.2, 1.1])
+    text = serving.verdict(r)
+    assert "crosses 1 at 4 (model: none)" in text and "+22%" in text and "every concurrency: NO" in text
+    serving.plot(r, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
