@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -292,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"--vllm-python {args.vllm_python}: not there; `make engines` builds the vLLM venv")
+    if subprocess.run([args.vllm_python, "-c", "import pandas"], capture_output=True).returncode:
+        raise SystemExit(f"the vLLM venv of {args.vllm_python} has no pandas, which vllm bench serve's custom dataset "
+                         f"reads; rebuild it (make serving rebuilds it from bench/engines/pins.py, which pins pandas)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.time()
     try:

