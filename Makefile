@@ -69,7 +69,7 @@ engines: venv $(ENGINES)/vllm/.installed $(ENGINES)/fla/.installed
 		--fla-python $(ENGINES)/fla/bin/python
 
 # What a drafter buys at concurrency 1..32 in vLLM's CPU build: the target served alone and with a drafter train.py
-# trains, driven by `vllm bench serve`, against the serving cost model (bench/serving.py; about 6 minutes on 2 cores).
+# trains, driven by `vllm bench serve`, against the serving cost model (bench/serving.py; about 7 minutes on 2 cores).
 # Results: bench/results/<date>-<machine>-serving.json and .png.
 serving: venv $(ENGINES)/vllm/.installed
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m bench.serving --vllm-python $(ENGINES)/vllm/bin/python
