@@ -27,11 +27,10 @@ from pathlib import Path
 
 from bench.engines import REPO, compose_job, run
 from bench.engines.server import EngineError, free_port, served
+# the vLLM check's tiny_qwen3_hd32 (vLLM's CPU attention needs head width 32) and its drafter's 100 training steps
+from bench.engines.vllm_check import COMMON, STEPS
 from dflash.plan import serving as model
 
-TARGET = "tiny_qwen3_hd32"  # vLLM's CPU attention needs head width 32
-COMMON = ["debug=tiny", f"target={TARGET}", "logger=none"]
-STEPS = 100  # as the vLLM check trains it: a drafter that accepts a few drafts on its training prompts
 PROMPTS = "builtin:tiny_prompts"
 TOLERANCE = 0.20  # the model's ratio within 20% of the measured one at every concurrency (issue 52)
 RESULTS = REPO / "bench" / "results"
@@ -193,9 +192,7 @@ def sweep(args) -> dict:
                             where="vLLM (bench/engines/vllm_steps.py)")
         rows = [(c, p, d) for (tt, c), p, d in zip(runs, plain, drafted) if tt == t]
         base = model.Baseline(ttft={c: p["mean_ttft_ms"] / 1e3 for c, p, _ in rows},
-                              tpot={c: p["mean_tpot_ms"] / 1e3 for c, p, _ in rows},
-                              clean_step={int(c): s for c, s in clean["step"][f"{t:g}"].items()},
-                              admission={int(c): s for c, s in clean["admission"].items()})
+                              tpot={c: p["mean_tpot_ms"] / 1e3 for c, p, _ in rows})
         table = []
         for c, p, d in rows:
             tokens = p["total_output_tokens"] / p["completed"]
@@ -206,8 +203,9 @@ def sweep(args) -> dict:
                           "vllm_acceptance_length": d.get("spec_decode_acceptance_length"),
                           "plain_ttft_ms": p["mean_ttft_ms"], "plain_tpot_ms": p["mean_tpot_ms"],
                           "drafter_tpot_ms": d["mean_tpot_ms"], "tokens_per_request": tokens,
-                          "clean_step_ms": base.clean_step[c] * 1e3, "spec_decode_step_ms": fw.spec_step[c] * 1e3,
-                          "plain_admission_ms": base.admission[c] * 1e3,
+                          "clean_step_ms": clean["step"][f"{t:g}"][str(c)] * 1e3,
+                          "spec_decode_step_ms": fw.spec_step[c] * 1e3,
+                          "plain_admission_ms": clean["admission"][str(c)] * 1e3,
                           "drafter_admission_ms": fw.admission[c] * 1e3,
                           "forwards_share": (fw.target_verify[c] + fw.drafter[c]) / fw.spec_step[c],
                           "predicted_ratio": predicted, "error": predicted / measured - 1})

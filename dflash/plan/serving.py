@@ -50,14 +50,10 @@ class Forwards:
 
 @dataclass
 class Baseline:
-    """The target served alone at concurrency C: seconds to the first token and per output token after it, and
-    where timed, a decode step of the engine with C requests and no arrivals (`clean_step`)."""
+    """The target served alone at concurrency C: seconds to the first token and per output token after it."""
 
     ttft: dict[int, float]
     tpot: dict[int, float]
-    clean_step: dict[int, float] = field(default_factory=dict)
-    admission: dict[int, float] = field(default_factory=dict)
-    """Seconds a step spends on each request it admits (its prefill, the engine's bookkeeping of it), as timed."""
 
 
 def decode_step(c: int, base: Baseline, fw: Forwards) -> float:
