@@ -52,6 +52,12 @@ def time_forwards(worker, concurrency: list[int], k: int, repeats: int) -> dict:
     return out
 
 
+def templated(llm, prompts: list[str], i: int) -> str:
+    """Prompt i (cycling) as `vllm bench serve` sends it: one user message in the target's chat template."""
+    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
+                                                   add_generation_prompt=True, tokenize=False)
+
+
 def engine_steps(llm, prompts: list[str], c: int, max_tokens: int, temperature: float,
                  rounds: int = 3) -> tuple[float, float]:
     """(median seconds of an engine step while all c requests decode, tokens kept per request per such step), over
@@ -59,14 +65,11 @@ def engine_steps(llm, prompts: list[str], c: int, max_tokens: int, temperature: 
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    tok = llm.get_tokenizer()
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     times, kept = [], 0
     for r in range(rounds):
         for i in range(c):
-            text = tok.apply_chat_template([{"role": "user", "content": prompts[(r * c + i) % len(prompts)]}],
-                                           add_generation_prompt=True, tokenize=False)
-            engine.add_request(f"c{c}-{r}-{i}", text, params)
+            engine.add_request(f"c{c}-{r}-{i}", templated(llm, prompts, r * c + i), params)
         made: dict[str, int] = {}
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -89,16 +92,10 @@ def admission_cost(llm, prompts: list[str], c: int, rounds: int = 9) -> float:
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    tok = llm.get_tokenizer()
-
-    def text(i: int) -> str:
-        return tok.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}],
-                                       add_generation_prompt=True, tokenize=False)
-
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     ids = [f"adm{c}-{i}" for i in range(c)]
     for i, r in enumerate(ids):
-        engine.add_request(r, text(i), long)
+        engine.add_request(r, templated(llm, prompts, i), long)
     for _ in range(2):  # their prefill, and a first decode step
         engine.step()
     extra = []
@@ -106,7 +103,7 @@ def admission_cost(llm, prompts: list[str], c: int, rounds: int = 9) -> float:
         start = time.perf_counter()
         engine.step()
         clean = time.perf_counter() - start
-        engine.add_request(f"adm{c}-x{j}", text(j + 1), SamplingParams(temperature=0.0, max_tokens=400))
+        engine.add_request(f"adm{c}-x{j}", templated(llm, prompts, j + 1), SamplingParams(temperature=0.0, max_tokens=400))
         start = time.perf_counter()
         engine.step()
         extra.append(time.perf_counter() - start - clean)
