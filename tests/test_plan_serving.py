@@ -96,3 +96,18 @@ def test_the_plan_command_prints_the_speedup_by_concurrency_and_what_other_shape
     with pytest.raises(SystemExit):
         plan.main(["experiment=qwen3_8b", "concurrency=[1]", "gpu=tpu"])
     assert "gpu=tpu: one of h200, h100, a100" in caplog.text
+
+
+def test_gemma4s_kv_cache_counts_each_layers_own_heads_and_the_plan_serves_it(capsys):
+    """Gemma 4's layers differ in KV heads and head width (50 sliding layers of 16 x 256, 10 full of 4 x 512 in the
+    31B); its config refuses the global attribute the model read (the plan raised AmbiguousGlobalPerLayerAttributeError)."""
+    from dflash.plan.targets import target_config
+    from tests.conftest import compose
+
+    text = target_config(compose("train", ["experiment=gemma4_31b_it", "data.prompts=x"]).target)
+    sliding, full = 50 * 2 * 2 * 16 * 256, 10 * 2 * 2 * 4 * 512  # bf16 K and V of one token, per layer kind
+    assert model.kv_bytes_per_token(text, 1024) == sliding + full  # the window (1024) covers the context
+    assert model.kv_bytes_per_token(text, 4096) == sliding / 4 + full  # a sliding layer keeps its last 1024
+    plan.main(["experiment=gemma4_31b_it", "concurrency=[1,32]", "tau=4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["speedup"]["1"] > out["speedup"]["32"] > 1

@@ -147,19 +147,33 @@ def roofline(target: Model, drafter: Model, block: int, verify: int, gpu: GPU, c
 def target_model(text, shape, context: int) -> Model:
     """The target's roofline Model from its text config and the plan's Shape (bf16 weights and KV cache): every
     parameter but the input embedding is read (all experts of a MoE: at a batch, most are routed to), a token runs
-    through its active ones; the KV cache counts full-attention layers whole and sliding-window ones up to the window
-    (linear-attention layers keep a fixed state, not counted)."""
+    through its active ones; the KV cache is `kv_bytes_per_token`'s."""
     embed = shape.vocab * shape.hidden
     active = shape.target_active_params or shape.target_params
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    window = getattr(text, "sliding_window", None) or context
-    reach = sum(1.0 if t == "full_attention" else min(1.0, window / max(context, 1)) if "sliding" in t else 0.0
-                for t in types)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     weights = shape.target_params - (0 if shape.tied else embed)
     return Model(flop_params=active - (0 if shape.tied else embed), weight_bytes=2.0 * weights,
-                 kv_bytes_per_token=reach * 2 * 2 * kv_heads * head_dim)
+                 kv_bytes_per_token=kv_bytes_per_token(text, context))
+
+
+def kv_bytes_per_token(text, context: int) -> float:
+    """bf16 keys and values of one context token, summed over the layers that keep them: full-attention layers
+    whole, sliding-window ones up to the window (a share of the `context` tokens), each with its own KV heads and
+    head width (Gemma 4's differ per layer: its config's per_layer_config); linear-attention layers keep a fixed
+    state and layers that reuse another's KV (kv_sharing_modes "reuse") none."""
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None) or context
+    per_layer = getattr(text, "per_layer_config", None)
+    sharing = getattr(text, "kv_sharing_modes", None) or [None] * len(types)
+    total = 0.0
+    for i, kind in enumerate(types):
+        reach = 1.0 if kind == "full_attention" else min(1.0, window / max(context, 1)) if "sliding" in kind else 0.0
+        if not reach or sharing[i] == "reuse":
+            continue
+        layer = per_layer[i] if per_layer else text
+        kv_heads = getattr(layer, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(layer, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        total += reach * 2 * 2 * kv_heads * head_dim
+    return total
 
 
 def drafter_model(shape, layers: int) -> Model:
@@ -219,6 +233,18 @@ def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, f
     room = plain / goal - base.ttft[c] - fw.drafter[c] - c * fw.admission.get(c, 0.0)
     tau = (tokens - 1) * decode_step(c, base, fw) / room if room > 0 else float("inf")
     return max(1.0, tau) if tau <= block else None
+
+
+def predict(shape, text, tau: float, gpu: str, concurrency: list[int], context: int, tokens: float) -> dict:
+    """The serving model's prediction for a drafter of the plan's Shape and a measured tau (live evaluation's
+    summary): {gpu, forwards_from, context, output_tokens, tau, speedup: {C: ratio}} on the GPU's roofline, no
+    engine overhead."""
+    device = GPUS[gpu.lower()]
+    base, fw = roofline(target_model(text, shape, context), drafter_model(shape, shape.layers), shape.block_size,
+                        shape.block_size, device, concurrency, context)
+    tau = max(1.0, min(tau, shape.block_size))
+    return {"gpu": device.name, "forwards_from": fw.where, "context": context, "output_tokens": tokens, "tau": tau,
+            "speedup": {c: speedup(c, tau, tokens, base, fw) for c in concurrency}}
 
 
 def plan_serving(shape, text, target_path: str, opts: dict) -> dict:
