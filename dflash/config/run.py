@@ -243,8 +243,20 @@ class EvalConfig:
     TRITON_CACHE_DIR: 45 s for the first forward of a hybrid target on a fresh H200, minutes in all; the compiles
     are per process); 0 = none. Changes the speedup and timing metrics only."""
 
+    serving_gpu: str = "h200"
+    """Live mode: the GPU (h200, h100, a100) whose roofline turns the measured live tau into the serving model's
+    predicted speedup at each of eval.serving_concurrency (dflash.plan.serving: a model, not a measurement)."""
+    serving_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    """Live mode: the concurrencies the serving model predicts the drafter's speedup at, as
+    eval/live_serving@<C>_speedup ([] for none)."""
+
     def __post_init__(self) -> None:
+        from dflash.plan.serving import GPUS
+
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
+        one_of("eval.serving_gpu", self.serving_gpu.lower(), set(GPUS))
+        for c in self.serving_concurrency:
+            positive("eval.serving_concurrency[*]", c)
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
         one_of("eval.dtype", self.dtype, {"auto", "bfloat16", "float32"})
         if self.suite is not None and not self.suite.strip():

@@ -38,6 +38,7 @@ from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
 from dflash.evaluate.decode import greedy_generate, speculative_generate
+from dflash.evaluate.serving import serving_prediction
 from dflash.evaluate.slices import slice_metrics, slicers
 from dflash.target.features import target_forward
 from dflash.target.loading import Target
@@ -108,7 +109,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
-    records, plain_time, ties, requests = [], 0.0, 0, 0
+    records, plain_time, ties, requests, prompt_tokens = [], 0.0, 0, 0, 0
     rendered = [(replace(source, name=name), source.data) for name, source in views(data)]  # a mixture's renderings
 
     def render(how):  # the text of messages (and tools) as the chat template renders them for `how`
@@ -139,7 +140,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             if messages is None:  # a tool conversation that ended at a call other than the recorded one
                 break
             ids, first = request(prompt, messages, how), len(records)  # first: this request's first record
-            requests += 1
+            requests, prompt_tokens = requests + 1, prompt_tokens + ids.shape[1]
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
@@ -198,9 +199,13 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
         })
     chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
     metrics.update(slice_metrics(chain, slicers(job), "eval/live"))
+    answer = totals[None, "marginal"]["tokens"] / max(1, requests)  # the model's request: mean prompt, mean answer
+    served = serving_prediction(job, drafter, target, metrics["eval/live_tau"],
+                                prompt_tokens / max(1, requests) + answer / 2, answer) if requests else {}
+    metrics.update(served.get("metrics", {}))
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification(),
                "sampling": {**knobs, **selector, "verifier": cfg.verifier, "seed": cfg.seed},
-               "compared_with_plain": compared}
+               "compared_with_plain": compared, **({"serving": served["serving"]} if served else {})}
     return records, summary

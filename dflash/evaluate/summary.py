@@ -111,7 +111,21 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     if mode != "live":
         for label, summary in summaries.items():
             print_gap(label, summary["metrics"], out)
+    else:
+        for label, summary in summaries.items():
+            print_serving(label, summary.get("serving"), out)
     print_slices(summaries, out)
+
+
+def print_serving(label: str, serving: dict | None, out=None) -> None:
+    """One line: the serving model's predicted speedup per concurrency from the chain's live tau (dflash.evaluate.serving)."""
+    if not serving:
+        return
+    ratios = ", ".join(f"{r:.2f}x at C = {c}" for c, r in serving["speedup"].items())
+    (out or sys.stdout).write(
+        f"{label}: served on one {serving['gpu']}, the model predicts {ratios} (live tau {serving['tau']:.3f}, "
+        f"{serving['context']} tokens of context, {serving['output_tokens']:.0f} output tokens a request; a roofline "
+        f"model, not a measurement: eval.serving_gpu, eval.serving_concurrency)\n")
 
 
 def print_slices(summaries: dict[str, dict], out=None) -> None:

@@ -1,0 +1,29 @@
+"""What a live evaluation's tau buys when served: the serving cost model (dflash.plan.serving) applied to the
+drafter and target just evaluated, at eval.serving_concurrency on eval.serving_gpu's roofline.
+
+The model takes the measured chain tau (eval/live_tau), the requests' mean context (prompt plus half the answer:
+the KV cache a decode step reads, on average) and mean answer length, and the two models' shapes as the plan
+counts them (parameters a token runs through, weights and KV bytes in bf16). It is a model of a GPU engine, not a
+measurement of this machine: `python -m bench.serving` measures a sweep in vLLM, docs/serving.md says how close
+the model came."""
+
+from __future__ import annotations
+
+from dflash.config import JobConfig
+from dflash.plan.serving import predict
+
+
+def serving_prediction(job: JobConfig, drafter, target, tau: float, context: float, tokens: float) -> dict:
+    """{metrics: eval/live_serving@<C>_speedup, serving: the prediction and its assumptions}; empty where
+    eval.serving_concurrency is []."""
+    from dflash.plan.report import drafter_shape
+
+    conc = list(job.eval.serving_concurrency)
+    if not conc or target.model is None:
+        return {}
+    text = target.config
+    shape = drafter_shape(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)),
+                          (target.model, text))
+    out = predict(shape, text, tau, job.eval.serving_gpu, conc, max(1, round(context)), max(2.0, tokens))
+    return {"metrics": {f"eval/live_serving@{c}_speedup": r for c, r in out["speedup"].items()},
+            "serving": {**out, "tau_from": "eval/live_tau", "block_size": shape.block_size, "layers": shape.layers}}
