@@ -1,0 +1,64 @@
+"""The thinking sweep's table (docs/thinking.md) from the runs of sweeps/thinking.sh.
+
+    python sweeps/thinking_table.py runs/thinking
+
+Per arm (the run name before -s<seed>), mean and sample sd over seeds of the evaluation sweeps/thinking.sh ran
+after training (the 64 held-out renames rendered with thinking on and off, greedy, teacher-forced: the decoding
+walk), read from each run's newest eval/step-*/summary.json that has both thinking slices: tau per slice (tokens
+over blocks), the same as a mean over prompts (tau_macro), and the whole set's tau; then each seed's slice taus.
+"""
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+SLICES = ("on", "off")
+
+
+def summary_of(run: Path) -> dict | None:
+    """The evaluation sweeps/thinking.sh ran after training (the last step's, with both thinking slices), or None
+    while the run is unfinished (no checkpoints/best.json: its step-0 evaluation may already have both slices)."""
+    if not (run / "checkpoints" / "best.json").exists():
+        return None
+    steps = sorted(p for p in run.glob("eval/step-*/summary.json") if re.fullmatch(r"step-\d+", p.parent.name))
+    metrics = json.loads(steps[-1].read_text())["metrics"] if steps else {}
+    return metrics if all(f"eval/slice/thinking/{s}/tau" in metrics for s in SLICES) else None
+
+
+def row(metrics: dict) -> dict:
+    out = {}
+    for s in SLICES:
+        out[f"tau {s}"] = metrics[f"eval/slice/thinking/{s}/tau"]
+        out[f"tau_macro {s}"] = metrics[f"eval/slice/thinking/{s}/tau_macro"]
+    out["tau all"] = metrics["eval/tau"]
+    out["blocks on/off"] = (metrics["eval/slice/thinking/on/blocks"], metrics["eval/slice/thinking/off/blocks"])
+    return out
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f}" + (f" ({statistics.stdev(values):.3f})" if len(values) > 1 else "")
+
+
+def main(root: str) -> None:
+    arms: dict[str, dict[int, dict]] = {}
+    for run in sorted(Path(root).iterdir()):
+        match = re.fullmatch(r"(.+)-s(\d+)", run.name)
+        metrics = summary_of(run) if match else None
+        if metrics:
+            arms.setdefault(match.group(1), {})[int(match.group(2))] = row(metrics)
+    columns = ("tau on", "tau off", "tau_macro on", "tau_macro off", "tau all")
+    print("| arm | seeds | " + " | ".join(columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for arm, seeds in arms.items():
+        print(f"| {arm} | {len(seeds)} | " + " | ".join(cell([r[c] for r in seeds.values()]) for c in columns) + " |")
+    print("\n| run | tau on | tau off | blocks on / off |\n|---|---|---|---|")
+    for arm, seeds in arms.items():
+        for seed, r in sorted(seeds.items()):
+            print(f"| {arm}-s{seed} | {r['tau on']:.3f} | {r['tau off']:.3f} | {r['blocks on/off'][0]} / "
+                  f"{r['blocks on/off'][1]} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/thinking")
