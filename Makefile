@@ -36,8 +36,11 @@ venv: $(VENV)/.installed
 run: venv
 	HF_HUB_OFFLINE=1 $(PY) train.py
 
+# Two pytest-xdist workers, one thread each (tests/conftest.py: whole modules per worker, the modules that launch
+# several processes on one of them); TEST_WORKERS=0 runs the suite in this process, as plain pytest does.
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m pytest
+	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m pytest -n $(TEST_WORKERS)
 
 bench: venv
 	HF_HUB_OFFLINE=1 $(PY) -m bench --quick

@@ -14,6 +14,31 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs 2 workers on 2 cores: one thread each, subprocesses too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+LAUNCHING = {"tests/data/test_cache.py", "tests/target/test_sharding.py", "tests/test_dist.py", "tests/test_plan.py",
+             "tests/train/test_distributed.py", "tests/train/test_step_losses.py"}
+"""Modules with tests that launch several processes (accelerate launch, torchrun: both on the launcher's default
+port, 29500)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """make test's pytest-xdist workers (-n 2) take whole modules, so a module-scoped fixture (a trained run, say) is
+    made once; the modules that launch several processes (LAUNCHING) go to one worker as one unit, so no two launches
+    meet on the launcher's port or on the 2 cores. (pytest-xdist's own xdist_group marker groups nothing under pytest
+    9.2: it renames the node id through an attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "launch" if module in LAUNCHING else module
+
+    return ByModule(config, log)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def dflash_home(tmp_path_factory):
