@@ -34,10 +34,15 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "launch" if module in LAUNCHING else module
+            return scheduling_unit(nodeid)
 
     return ByModule(config, log)
+
+
+def scheduling_unit(nodeid: str) -> str:
+    """The unit of work a test is sent to a worker in: its module, or "launch" for the LAUNCHING modules."""
+    module = nodeid.split("::", 1)[0]
+    return "launch" if module in LAUNCHING else module
 
 
 @pytest.fixture(scope="session", autouse=True)
