@@ -226,3 +226,37 @@ def test_training_data_takes_data_tools_and_data_skip_bad_records(tools_target, 
     prepared = prepare_training(job, tools_target, Dist())
     assert sorted(s.id for s in prepared.sequences) == ["other", "other:turn2", "other:turn3"]
     assert prepared.info["skipped"]["bad_records"] == 1 and prepared.info["tool_results_kept"] is True
+
+
+def test_a_two_source_mixture_regenerates_tool_conversations_in_each_sources_rendering(tools_target, tmp_path,
+                                                                                        monkeypatch):
+    """data.sources with thinking on and off over tool conversations (issue 51's done-when): each source answers
+    every generation point in its own rendering (thinking off: the empty think block before each answer), the
+    recorded results after its own matching calls; sequences <source>/<id>[:turnN], the tool turns listed per source,
+    the loss on the answers only."""
+    from dflash.data.extraction import prepare_training
+    from tests.conftest import compose
+
+    calls = []
+    monkeypatch.setattr(completions, "generate_hf", scripted(calls))
+    prompts = tmp_path / "tools.jsonl"
+    prompts.write_text(json.dumps(record("paris", "Paris")) + "\n")
+    sources = (f"data.sources=[{{prompts: {prompts}, weight: 0.6, enable_thinking: true, name: think}}, "
+               f"{{prompts: {prompts}, weight: 0.4, enable_thinking: false, name: plain}}]")
+    job = compose("train", ["debug=tiny", "target=tiny_qwen3_tools", sources, f"features.dir={tmp_path}/features",
+                            "data.max_length=1024"])
+    prepared = prepare_training(job, tools_target, Dist())
+    by_id = {s.id: s for s in prepared.sequences}
+    points = ["paris", "paris:turn2", "paris:turn3"]
+    assert sorted(by_id) == sorted(f"{v}/{p}" for v in ("think", "plain") for p in points)
+    assert sorted(calls) == sorted([("Paris", 0), ("Paris", 1), ("Paris", 2)] * 2)  # every point, once a source
+    assert tool_items(prepared.info) == {f"{v}/{p}" for v in ("think", "plain") for p in points[:2]}  # call, result
+    empty_think = encode(tools_target.tokenizer, "<think>\n\n</think>")
+    for p in points:
+        think, plain = by_id[f"think/{p}"], by_id[f"plain/{p}"]
+        text = lambda s: s.input_ids[: len(s.input_ids) - int(sum(s.loss_mask))]  # noqa: E731  the context
+        as_list = lambda ids: [int(i) for i in ids]  # noqa: E731
+        contains = lambda ids, sub: any(ids[i:i + len(sub)] == sub for i in range(len(ids)))  # noqa: E731
+        assert contains(as_list(text(plain)), empty_think) and not contains(as_list(text(think)), empty_think)
+        # the answer is the scripted one in both renderings: the loss covers it and nothing else
+        assert as_list(think.input_ids)[-int(sum(think.loss_mask)):] == as_list(plain.input_ids)[-int(sum(plain.loss_mask)):]
