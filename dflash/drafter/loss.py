@@ -46,14 +46,45 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | Non
     return (scales or Scales()).logits(hidden, weight)
 
 
+class WeightedCE(torch.autograd.Function):
+    """sum_i w_i CE(logits_i, labels_i), its gradient written in one [N, V] tensor: w_i g (softmax_i - onehot(labels_i)),
+    the softmax exp'd in place from the saved log-softmax. Autograd's cross_entropy (log_softmax, then nll_loss) wrote
+    three: nll_loss's backward zero-fills an [N, V] gradient to scatter the one-hot into, then log_softmax's backward
+    makes another. On the 2-core CPU bench's 512-anchor train_step took 1.5% less time with it (the median of 40
+    alternated step pairs), the same loss, its gradients within 5e-10. Every label must be a token id (no
+    ignore_index: the loss's rows are the labelled ones). The weights may carry a gradient (CE_i g)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, -1)
+        ce = -logp.gather(-1, labels[:, None])[:, 0]
+        ctx.save_for_backward(logp, labels, weight, ce)
+        return (ce * weight).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logp, labels, weight, ce = ctx.saved_tensors
+        scale = weight * grad
+        dlogits = None
+        if ctx.needs_input_grad[0]:
+            dlogits = logp.exp().mul_(scale[:, None].to(logp.dtype))
+            dlogits[torch.arange(len(labels), device=labels.device), labels] -= scale.to(logp.dtype)
+        return dlogits, None, (ce * grad).to(weight.dtype) if ctx.needs_input_grad[2] else None
+
+
+def weighted_ce_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_i weight_i * CE(logits_i, labels_i) (`WeightedCE`): logits [N, V], labels and weight [N]."""
+    return WeightedCE.apply(logits, labels, weight)
+
+
 def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, gold=None,
               options=SelectorOptions(), *, scales=None):
     logits = head_logits(hidden, weight, scales)
     if selector is None:
-        return (F.cross_entropy(logits, labels, reduction="none") * row_weight).sum(), logits.argmax(-1)
+        return weighted_ce_sum(logits, labels, row_weight), logits.argmax(-1)
     logits, sel = selector_ce(selector, hidden, logits, labels, prev, gold, options)  # first: coupled's logits
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * row_weight).sum(), logits.argmax(-1), (sel.ce * sel_weight).sum(), sel.choice, sel.oracle, sel.counted
+    return (weighted_ce_sum(logits, labels, row_weight), logits.argmax(-1), (sel.ce * sel_weight).sum(), sel.choice,
+            sel.oracle, sel.counted)
 
 
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
