@@ -235,16 +235,21 @@ def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, f
     return max(1.0, tau) if tau <= block else None
 
 
-def predict(shape, text, tau: float, gpu: str, concurrency: list[int], context: int, tokens: float) -> dict:
-    """The serving model's prediction for a drafter of the plan's Shape and a measured tau (live evaluation's
-    summary): {gpu, forwards_from, context, output_tokens, tau, speedup: {C: ratio}} on the GPU's roofline, no
-    engine overhead."""
+def predict(shape, text, tau: float | None, gpu: str, concurrency: list[int], context: int, tokens: float,
+            overhead_s: float = 0.0) -> dict:
+    """The serving model for a drafter of the plan's Shape on a GPU's roofline (the plan's configured drafter, live
+    evaluation's summary): {gpu, forwards_from, context, output_tokens, tau, plain_step_ms and spec_step_ms per C,
+    and with a measured tau (at most the block) speedup: {C: ratio}}; `overhead_s` the engine's time a step."""
     device = GPUS[gpu.lower()]
     base, fw = roofline(target_model(text, shape, context), drafter_model(shape, shape.layers), shape.block_size,
-                        shape.block_size, device, concurrency, context)
-    tau = max(1.0, min(tau, shape.block_size))
-    return {"gpu": device.name, "forwards_from": fw.where, "context": context, "output_tokens": tokens, "tau": tau,
-            "speedup": {c: speedup(c, tau, tokens, base, fw) for c in concurrency}}
+                        shape.block_size, device, concurrency, context, overhead_s)
+    out = {"gpu": device.name, "forwards_from": fw.where, "context": context, "output_tokens": tokens,
+           "tau": None if tau is None else min(tau, shape.block_size),
+           "plain_step_ms": {c: base.tpot[c] * 1e3 for c in concurrency},
+           "spec_step_ms": {c: decode_step(c, base, fw) * 1e3 for c in concurrency}}
+    if tau is not None:
+        out["speedup"] = {c: speedup(c, out["tau"], tokens, base, fw) for c in concurrency}
+    return out
 
 
 def plan_serving(shape, text, target_path: str, opts: dict) -> dict:
@@ -263,15 +268,9 @@ def plan_serving(shape, text, target_path: str, opts: dict) -> dict:
     def costs(layers: int, block: int) -> tuple[Baseline, Forwards]:
         return roofline(target, drafter_model(shape, layers), block, block, gpu, conc, context, overhead)
 
-    base, fw = costs(shape.layers, shape.block_size)
-    out = {"gpu": gpu.name, "forwards_from": fw.where, "concurrency": conc, "context": context,
-           "output_tokens": tokens, "overhead_ms": opts["overhead_ms"], "block_size": shape.block_size,
-           "layers": shape.layers, "tau": tau, "tau_where": where,
-           "plain_step_ms": {c: base.tpot[c] * 1e3 for c in conc},
-           "spec_step_ms": {c: decode_step(c, base, fw) * 1e3 for c in conc}}
-    if tau is not None:
-        tau = min(tau, shape.block_size)
-        out["speedup"] = {c: speedup(c, tau, tokens, base, fw) for c in conc}
+    out = {**predict(shape, text, tau, str(opts["gpu"]), conc, context, tokens, overhead), "concurrency": conc,
+           "overhead_ms": opts["overhead_ms"], "block_size": shape.block_size, "layers": shape.layers, "tau": tau,
+           "tau_where": where}
     goal = out["speedup"] if tau is not None else {c: 1.0 for c in conc}
     shapes = []
     for block in sorted({4, 8, 16, shape.block_size}):
