@@ -18,10 +18,10 @@ ARMS=${ARMS:-"think plain mix"}
 CACHE=${CACHE:-cache/toy/thinking}  # a feature cache per arm (a mixture is its own cache); the sources' completions
                                     # (completions.think.jsonl, completions.plain.jsonl) shared by the arms
 PY=${PY:-python}
-THINK="{prompts: 'toy:stdlib', weight: 0.6, enable_thinking: true, name: think}"
-PLAIN="{prompts: 'toy:stdlib', weight: 0.4, enable_thinking: false, name: plain}"
-declare -A SOURCES=([think]="[$THINK]" [plain]="[$PLAIN]" [mix]="[$THINK, $PLAIN]"
-                   [mix_off]="[${THINK/0.6/0.4}, ${PLAIN/0.4/0.6}]")
+think() { echo "{prompts: 'toy:stdlib', weight: $1, enable_thinking: true, name: think}"; }   # think <weight>
+plain() { echo "{prompts: 'toy:stdlib', weight: $1, enable_thinking: false, name: plain}"; }
+declare -A SOURCES=([think]="[$(think 0.6)]" [plain]="[$(plain 0.4)]" [mix]="[$(think 0.6), $(plain 0.4)]"
+                   [mix_off]="[$(think 0.4), $(plain 0.6)]")
 for arm in $ARMS; do
   for seed in $SEEDS; do
     run="$arm-s$seed"
