@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # DFlash 2's selector trained the ways the public trainers train it, and regularised (issue 50), on the default (toy)
 # recipe, 3 seeds an arm, equal steps (768): every arm is `python train.py drafter.kind=dflash2` plus
-#   ours           the defaults: unary scores detached, gold injected, normal codebooks, decay weights
-#   speculators    coupled gradients (the unary logits get the selector's gradient), gold injected
+#   ours           the defaults before issue 50: unary scores detached, gold injected, normal codebooks, decay weights
+#   speculators    coupled gradients (the unary logits get the selector's gradient), gold injected: the default now
 #   specforge      coupled, strict gold (no loss where the unary top-K misses it), zero successor codebook (step 0 =
 #                  DFlash's unary path), the selector's weight 0 for 10% of the steps then ramped over 20%
 #                  (SpecForge's ratios are keys of its trainer; these values are ours)
-#   decay          ours + AdamW weight decay 0.1 on the two codebooks
-#   dropout        ours + dropout 0.2 on the predecessor's codebook row
-#   rank64         ours at selector rank 64 (a quarter of the codebooks' parameters)
+#   decay          the default (coupled) + AdamW weight decay 1.0 on the two codebooks (decoupled decay shrinks a
+#                  weight by about lr x decay x steps x 0.5 = 0.77 x decay over the toy's 768 cosine steps at lr 2e-3:
+#                  0.1, ten times optim.weight_decay, would take 8% off, 1.0 about half)
+#   dropout        the default + dropout 0.2 on the predecessor's codebook row
+#   rank64         the default at selector rank 64 (a quarter of the codebooks' parameters)
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
@@ -24,10 +26,10 @@ ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64"}
 PY=${PY:-python}
 declare -A OVERRIDES=(
   [dflash]="drafter.kind=dflash"
-  [ours]="drafter.kind=dflash2"
+  [ours]="drafter.kind=dflash2 loss.selector_gradient=detach_unary"
   [speculators]="drafter.kind=dflash2 loss.selector_gradient=coupled"
   [specforge]="drafter.kind=dflash2 loss.selector_gradient=coupled loss.selector_gold=strict loss.selector_init=zero loss.selector_warmup_ratio=0.1 loss.selector_ramp_ratio=0.2"
-  [decay]="drafter.kind=dflash2 loss.selector_decay=0.1"
+  [decay]="drafter.kind=dflash2 loss.selector_decay=1.0"
   [dropout]="drafter.kind=dflash2 loss.selector_dropout=0.2"
   [rank64]="drafter.kind=dflash2 drafter.selector_rank=64"
 )
