@@ -8,8 +8,11 @@ predicts the ratio from our acceptance and vLLM's own forward costs.
 Runs in the main venv (train.py, evaluate.py) and starts vLLM from its own venv, as `make engines` builds it:
 `vllm serve` on a free port, waited for on /health, stopped with all its processes at the end or on any failure
 (bench/engines/server.py); the client is vLLM's `vllm bench serve` over HTTP (bench/engines/vllm_load.py runs its
-parser and main, all runs in one process). Per temperature (greedy and 0.7) and concurrency C: output tokens/s
-with and without the drafter, their ratio, vLLM's mean acceptance length, the concurrency where the ratio
+parser and main, all runs in one process). Both servers (the target alone, and with the drafter) are up at once
+and the runs alternate between them, `--rounds` times per point: each ratio pairs two runs made one after the
+other (on a shared 2-core host, two sweeps made server after server read 1.50 and 0.99 at the same point). Per
+temperature (greedy and 0.7) and concurrency C: output tokens/s with and without the drafter, the median of the
+rounds' ratios, vLLM's mean acceptance length, the concurrency where the ratio
 crosses 1, and the model's prediction with its error. Writes bench/results/<date>-<machine>-serving.json and the
 plot of ratio against C beside it. On CPU the numbers prove the harness, not a GPU.
 """
@@ -17,7 +20,9 @@ plot of ratio against C beside it. On CPU the numbers prove the harness, not a G
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import os
 import shlex
 import subprocess
@@ -107,24 +112,33 @@ def load_args(url: str, target: str, prompts: Path, n: int, c: int, temperature:
             "--seed", "0", "--disable-tqdm", "--num-warmups", "0"]
 
 
-def drive(vllm_python: str, cmd: list[str], runs: list[list[str]], work: Path, name: str, timeout: float) -> list:
-    """Serve with `cmd` (its port after --port is replaced by a free one) and run `vllm bench serve` with each
-    argument list of `runs` (their URL placeholder filled in); the result dict of each."""
-    port = free_port()
-    cmd = [str(port) if c == "{port}" else c for c in cmd]
-    with served(cmd, port, work / f"{name}-server.log", timeout=timeout, env=engine_env()) as (url, proc):
-        spec = work / f"{name}-runs.json"
-        spec.write_text(json.dumps({"runs": [[url if a == "{url}" else a for a in r] for r in runs]}))
-        answer = work / f"{name}-load.json"
+def drive(vllm_python: str, servers: dict[str, list[str]], runs: list[tuple[str, list[str]]], work: Path,
+          timeout: float) -> list:
+    """Serve with each command of `servers` at once ({name: cmd}; the port after --port is replaced by a free one)
+    and run `vllm bench serve` with each (server name, argument list) of `runs`, in order, against that server (the
+    URL placeholder filled in); the result dict of each. Runs that alternate between servers pair their
+    measurements in time, so the host's drift over the sweep falls on both sides of a ratio."""
+    with contextlib.ExitStack() as stack:
+        urls, procs = {}, {}
+        for name, cmd in servers.items():
+            port = free_port()
+            cmd = [str(port) if c == "{port}" else c for c in cmd]
+            urls[name], procs[name] = stack.enter_context(
+                served(cmd, port, work / f"{name}-server.log", timeout=timeout, env=engine_env()))
+        spec = work / "load-runs.json"
+        spec.write_text(json.dumps({"runs": [[urls[name] if a == "{url}" else a for a in args] for name, args in runs]}))
+        answer = work / "load.json"
         answer.unlink(missing_ok=True)
-        code = run([vllm_python, REPO / "bench" / "engines" / "vllm_load.py", spec, answer], work / f"{name}-load.log",
+        code = run([vllm_python, REPO / "bench" / "engines" / "vllm_load.py", spec, answer], work / "load.log",
                    env=engine_env(), check=False)
-        if proc.poll() is not None:
-            raise EngineError(f"the {name} engine died during the load; see {work / f'{name}-server.log'}")
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise EngineError(f"the {name} engine died during the load; see {work / f'{name}-server.log'}")
     results = json.loads(answer.read_text())["results"] if answer.exists() else []
     if code or len(results) != len(runs):
         why = results[-1].get("error") if results else "no answer"
-        raise SystemExit(f"vllm bench serve failed against the {name} engine: {why} (see {work / f'{name}-load.log'})")
+        name = runs[max(len(results) - 1, 0)][0]
+        raise SystemExit(f"vllm bench serve failed against the {name} engine: {why} (see {work / 'load.log'})")
     return results
 
 
@@ -173,38 +187,48 @@ def sweep(args) -> dict:
     spec = ["--speculative-config", json.dumps({"method": "dflash", "model": str(export), "num_speculative_tokens": k,
                                                 **SPEC_EXTRA})]
     runs = [(t, c) for t in args.temperatures for c in concurrency]
-    # a first small run warms the server (its first requests pay for lazy initialisation); it is not reported
-    loads = [load_args("{url}", target, prompts, distinct, 4, 0.0, args.output_len)] + [
-        load_args("{url}", target, prompts, sizes[c], c, t, args.output_len) for t, c in runs]
-    plain = drive(args.vllm_python, serve, loads, work, "plain", args.health_timeout)[1:]
-    drafted = drive(args.vllm_python, serve + spec, loads, work, "drafter", args.health_timeout)[1:]
+    # a first small run warms each server (its first requests pay for lazy initialisation); it is not reported. Then
+    # each (temperature, concurrency) `rounds` times, the two servers one after the other: paired in time
+    warm = load_args("{url}", target, prompts, distinct, 4, 0.0, args.output_len)
+    loads = [("plain", warm), ("drafter", warm)] + [
+        (name, load_args("{url}", target, prompts, sizes[c], c, t, args.output_len))
+        for t, c in runs for _ in range(args.rounds) for name in ("plain", "drafter")]
+    done = drive(args.vllm_python, {"plain": serve, "drafter": serve + spec}, loads, work, args.health_timeout)[2:]
+    paired = {run: [(done[2 * (i * args.rounds + r)], done[2 * (i * args.rounds + r) + 1]) for r in range(args.rounds)]
+              for i, run in enumerate(runs)}
     result = {"date": time.strftime("%Y-%m-%d"), "command": "python -m bench.serving " + shlex.join(sys.argv[1:]),
               "commit": _commit(), "machine": _machine(), "engine": steps["versions"], "target": target,
               "drafter": str(export), "drafter_from": export_where, "num_speculative_tokens": k,
               "output_len": args.output_len, "prompts": PROMPTS, "distinct_prompts": distinct, "requests": sizes,
-              "speculative_config": SPEC_EXTRA, "forwards_s": steps["seconds"], "clean_step_s": clean["step"],
-              "spec_step_s": steps["step"], "spec_step_tokens": steps["step_tokens"], "tolerance": TOLERANCE,
-              "temperatures": {}}
+              "rounds": args.rounds, "speculative_config": SPEC_EXTRA, "forwards_s": steps["seconds"],
+              "clean_step_s": clean["step"], "spec_step_s": steps["step"], "spec_step_tokens": steps["step_tokens"],
+              "tolerance": TOLERANCE, "temperatures": {}}
     for t in args.temperatures:
         fw = model.Forwards(**{kind: {int(c): s for c, s in v.items()} for kind, v in steps["seconds"].items()},
                             spec_step={int(c): s for c, s in steps["step"][f"{t:g}"].items()},
                             admission={int(c): s for c, s in steps["admission"].items()},
+                            clean_decode={int(c): s for c, s in clean["step"][f"{t:g}"].items()},
                             where="vLLM (bench/engines/vllm_steps.py)")
-        rows = [(c, p, d) for (tt, c), p, d in zip(runs, plain, drafted) if tt == t]
-        base = model.Baseline(ttft={c: p["mean_ttft_ms"] / 1e3 for c, p, _ in rows},
-                              tpot={c: p["mean_tpot_ms"] / 1e3 for c, p, _ in rows})
+        rows = {c: pairs for (tt, c), pairs in paired.items() if tt == t}
+        mean = lambda pairs, side, key: statistics.mean(pair[side][key] for pair in pairs)  # noqa: E731
+        base = model.Baseline(ttft={c: mean(pairs, 0, "mean_ttft_ms") / 1e3 for c, pairs in rows.items()},
+                              tpot={c: mean(pairs, 0, "mean_tpot_ms") / 1e3 for c, pairs in rows.items()})
         table = []
-        for c, p, d in rows:
-            tokens = p["total_output_tokens"] / p["completed"]
-            measured = d["output_throughput"] / p["output_throughput"]
+        for c, pairs in rows.items():
+            ratios = [d["output_throughput"] / p["output_throughput"] for p, d in pairs]
+            measured = statistics.median(ratios)
+            tokens = mean(pairs, 0, "total_output_tokens") / mean(pairs, 0, "completed")
             predicted = model.speedup(c, ours[t]["tau"], tokens, base, fw)
-            table.append({"concurrency": c, "requests": p["completed"], "plain_tok_s": p["output_throughput"],
-                          "drafter_tok_s": d["output_throughput"], "ratio": measured,
-                          "vllm_acceptance_length": d.get("spec_decode_acceptance_length"),
-                          "plain_ttft_ms": p["mean_ttft_ms"], "plain_tpot_ms": p["mean_tpot_ms"],
-                          "drafter_tpot_ms": d["mean_tpot_ms"], "tokens_per_request": tokens,
-                          "clean_step_ms": clean["step"][f"{t:g}"][str(c)] * 1e3,
-                          "spec_decode_step_ms": fw.spec_step[c] * 1e3,
+            accepted = [d.get("spec_decode_acceptance_length") for _, d in pairs]
+            table.append({"concurrency": c, "requests": pairs[0][0]["completed"],
+                          "plain_tok_s": mean(pairs, 0, "output_throughput"),
+                          "drafter_tok_s": mean(pairs, 1, "output_throughput"), "ratio": measured,
+                          "round_ratios": ratios,
+                          "vllm_acceptance_length": None if None in accepted else statistics.mean(accepted),
+                          "plain_ttft_ms": base.ttft[c] * 1e3, "plain_tpot_ms": base.tpot[c] * 1e3,
+                          "drafter_tpot_ms": mean(pairs, 1, "mean_tpot_ms"), "tokens_per_request": tokens,
+                          "clean_step_ms": fw.clean_decode[c] * 1e3, "spec_decode_step_ms": fw.spec_step[c] * 1e3,
+                          "served_ms_per_token": model.served(c, base, fw) * 1e3,
                           "plain_admission_ms": clean["admission"][str(c)] * 1e3,
                           "drafter_admission_ms": fw.admission[c] * 1e3,
                           "forwards_share": (fw.target_verify[c] + fw.drafter[c]) / fw.spec_step[c],
@@ -282,9 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="e.g. 1,2,4,8,16,32")
     parser.add_argument("--temperatures", type=_floats, default=[0.0, 0.7], help="e.g. 0,0.7")
     parser.add_argument("--output-len", type=int, default=48, help="most output tokens per request")
-    parser.add_argument("--requests-per-concurrency", type=int, default=16,
+    parser.add_argument("--requests-per-concurrency", type=int, default=8,
                         help="requests per run: this many per request slot (at least 2 slots), rounded up to a multiple "
                              "of the prompts; runs of 1-4 s measured 0.75 and 1.03 for the same ratio")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each (temperature, concurrency) per server, alternating plain and drafter; the "
+                             "ratio is the median of the rounds' paired ratios")
     parser.add_argument("--health-timeout", type=float, default=300.0, help="seconds to wait for a healthy engine")
     parser.add_argument("--work", default=str(REPO / "build" / "serving"))
     parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-<machine>-serving.json)")

@@ -23,8 +23,23 @@ def test_a_drafter_the_engine_refuses_is_one_line_and_no_load_runs(tmp_path):
     refuse = [sys.executable, "-c", "print('ValueError: dflash drafts need Triton on this build'); raise SystemExit(1)",
               "--port", "{port}"]
     with pytest.raises(EngineError, match="exited with code 1: ValueError: dflash drafts need Triton"):
-        serving.drive(sys.executable, refuse, [["--never-run"]], tmp_path, "drafter", timeout=30)
-    assert not (tmp_path / "drafter-load.json").exists()
+        serving.drive(sys.executable, {"drafter": refuse}, [("drafter", ["--never-run"])], tmp_path, timeout=30)
+    assert not (tmp_path / "load.json").exists()
+
+
+def test_both_servers_are_up_at_once_and_each_run_goes_to_its_own(tmp_path):
+    # two stand-in servers (a folder with a "health" file, served over HTTP) and a stand-in client that answers each
+    # run with the URL it was given: the runs alternate plain / drafter, each against its own server
+    (tmp_path / "health").write_text("ok")
+    server = [sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    client = tmp_path / "client"
+    client.write_text(f"#!{sys.executable}\nimport json, sys\nruns = json.load(open(sys.argv[2]))['runs']\n"
+                      f"json.dump({{'results': [{{'url': r[0]}} for r in runs]}}, open(sys.argv[3], 'w'))\n")
+    client.chmod(0o755)
+    runs = [(name, ["{url}", str(i)]) for i in range(2) for name in ("plain", "drafter")]
+    done = serving.drive(str(client), {"plain": server, "drafter": server}, runs, tmp_path, timeout=60)
+    urls = [r["url"] for r in done]
+    assert urls[0] == urls[2] != urls[1] == urls[3] and all(u.startswith("http://127.0.0.1:") for u in urls)
 
 
 def test_no_vllm_venv_is_one_line(tmp_path):

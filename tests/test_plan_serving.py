@@ -9,11 +9,12 @@ from dflash.errors import ConfigError
 from dflash.plan import serving as model
 
 
-def costs(tpot=1.0, ttft=0.0, decode=1.0, verify=1.0, drafter=0.0, spec_step=None, admission=0.0, cs=(1, 8)):
+def costs(tpot=1.0, ttft=0.0, decode=1.0, verify=1.0, drafter=0.0, spec_step=None, admission=0.0, clean=None,
+          cs=(1, 8)):
     base = model.Baseline(ttft={c: ttft for c in cs}, tpot={c: tpot for c in cs})
     fw = model.Forwards(target_decode={c: decode for c in cs}, target_verify={c: verify for c in cs},
                         drafter={c: drafter for c in cs}, spec_step=spec_step or {},
-                        admission={c: admission for c in cs})
+                        admission={c: admission for c in cs}, clean_decode=clean or {})
     return base, fw
 
 
@@ -42,6 +43,24 @@ def test_requests_end_tau_times_sooner_so_a_step_admits_tau_times_as_many():
     base, fw = costs(spec_step={8: 9.0}, admission=2.0)
     assert model.spec_step(8, base, fw, tau=4.0, tokens=41) == pytest.approx(9.0 + 2.0 * 8 * 4.0 / 40)
     assert model.speedup(8, 4.0, 41, base, fw) == pytest.approx(40 * 1.0 / (40 / 4.0 * (9.0 + 1.6)))
+
+
+def test_what_serving_adds_per_token_is_paid_for_every_token_a_speculative_step_hands_over():
+    # vLLM's CPU sweep of 2026-12-05 at C = 1, greedy: the target alone served at 4.7 ms a token where its clean step
+    # was timed at 3.4 ms; the drafter's clean step 5.6 ms, tau 3.37, 48 tokens a request. Served, the drafter's
+    # step took 9.9 ms (its tpot x acceptance) and the ratio was 1.50: the clean step alone predicted 2.45
+    base, fw = costs(tpot=4.7e-3, ttft=12.2e-3, spec_step={1: 5.6e-3}, clean={1: 3.4e-3})
+    assert model.served(1, base, fw) == pytest.approx(1.3e-3)
+    assert model.spec_step(1, base, fw, tau=3.37, tokens=48) == pytest.approx(5.6e-3 + 3.37 * 1.3e-3)
+    assert model.speedup(1, 3.37, 48, base, fw) == pytest.approx(1.50, rel=0.05)
+    # none where the clean step was not timed (the roofline: its overhead is per step, in decode_step), and never
+    # negative where the served tpot reads below the clean step
+    assert model.served(8, base, fw) == 0.0
+    assert model.served(1, *costs(tpot=3.0e-3, clean={1: 3.4e-3})) == 0.0
+    # needed_tau still inverts speedup with the served term
+    base, fw = costs(tpot=2.0, ttft=5.0, decode=1.0, verify=1.5, drafter=0.2, clean={1: 1.6})
+    tau = model.needed_tau(1, 1.2, 200, 16, base, fw)
+    assert model.speedup(1, tau, 200, base, fw) == pytest.approx(1.2)
 
 
 def test_crossing_is_the_first_concurrency_below_one():

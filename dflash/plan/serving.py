@@ -7,7 +7,7 @@ DDTree: the budget), each step verifies C x (k + 1) tokens with the target, draf
 and keeps `tau` tokens on average (the mean acceptance length, the bonus token included):
 
     decode(C)   = overhead(C) + target(C x (k + 1) tokens) + drafter(C x block query tokens)
-    step(C)     = decode(C) + admission(C) x C x tau / (n - 1)
+    step(C)     = decode(C) + tau x served(C) + admission(C) x C x tau / (n - 1)
     R_spec      = ttft + drafter(C) + (n - 1) / tau x step(C)
     speedup(C)  = R_plain / R_spec        (C requests in flight either way: throughput in the same ratio)
 
@@ -15,6 +15,10 @@ overhead(C) is what an engine step costs besides the target's forward (schedulin
 tpot(C) - target(C x 1 token). A served step also admits the requests that arrive while it runs (their prefill,
 the drafter's pass over their prompt, the engine's bookkeeping of them): C / (n - 1) a step without the drafter,
 tau times as many with it, since a request then ends in (n - 1) / tau steps; admission(C) is what each costs.
+served(C) is what serving costs per output token beyond the engine's clean step, where that step was timed:
+tpot(C) - clean decode step(C) of the target alone; a speculative step hands tau tokens a request to the server,
+so it pays served(C) tau times. (vLLM's CPU sweep of 2026-12-05: the drafter's served step was 9.9 ms at C = 1
+against 5.6 ms timed clean and 1.3 ms of served(1) a token: 5.6 + 3.37 x 1.3 = 10.0; a per-step term gives 6.9.)
 
 Where there is an engine to time, the micro-benchmark (bench/engines/vllm_steps.py) times in vLLM, with and
 without the drafter, a decode step with C requests and none arriving, which then stands for decode(C) (on vLLM's
@@ -45,6 +49,9 @@ class Forwards:
     """A whole speculative engine step where one was timed (it then replaces overhead + forwards)."""
     admission: dict[int, float] = field(default_factory=dict)
     """Seconds a speculative step spends on each request it admits (the drafter's pass over the prompt too)."""
+    clean_decode: dict[int, float] = field(default_factory=dict)
+    """The target alone's decode step, timed as spec_step is (C requests, none arriving): with the baseline's tpot
+    it gives what serving adds per output token (`served`)."""
     where: str = "measured"
 
 
@@ -64,11 +71,19 @@ def decode_step(c: int, base: Baseline, fw: Forwards) -> float:
     return max(0.0, base.tpot[c] - fw.target_decode[c]) + fw.target_verify[c] + fw.drafter[c]
 
 
+def served(c: int, base: Baseline, fw: Forwards) -> float:
+    """Seconds serving adds per output token of a request at concurrency c beyond the clean engine step: the
+    target alone's tpot(c) less its timed clean decode step; 0 where none was timed (the roofline's engine overhead
+    is per step, in decode_step)."""
+    return max(0.0, base.tpot[c] - fw.clean_decode[c]) if c in fw.clean_decode else 0.0
+
+
 def spec_step(c: int, base: Baseline, fw: Forwards, tau: float, tokens: float) -> float:
-    """Seconds of one served speculative step at concurrency c: its decode step and the admissions of the requests
-    arriving meanwhile, tau times as many a step as without the drafter (a request ends in (tokens - 1) / tau
-    steps)."""
-    return decode_step(c, base, fw) + fw.admission.get(c, 0.0) * c * tau / max(tokens - 1, 1)
+    """Seconds of one served speculative step at concurrency c: its decode step, the server's work on the tau tokens
+    a request it hands over, and the admissions of the requests arriving meanwhile, tau times as many a step as
+    without the drafter (a request ends in (tokens - 1) / tau steps)."""
+    arrivals = fw.admission.get(c, 0.0) * c * tau / max(tokens - 1, 1)
+    return decode_step(c, base, fw) + tau * served(c, base, fw) + arrivals
 
 
 def speedup(c: int, tau: float, tokens: float, base: Baseline, fw: Forwards) -> float:
@@ -228,9 +243,10 @@ def read_tau(spec: str, target_path: str, block_size: int) -> tuple[float, str]:
 def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, fw: Forwards) -> float | None:
     """The mean acceptance length a drafter needs for throughput `goal` x the target alone at concurrency c;
     None where even tau = block (every draft accepted) does not reach it."""
-    # R_spec = ttft + drafter + (tokens - 1) / tau * step + c * admission: solved for tau
+    # R_spec = ttft + drafter + (tokens - 1) / tau * decode + (tokens - 1) * served + c * admission: solved for tau
     plain = base.ttft[c] + (tokens - 1) * base.tpot[c]
-    room = plain / goal - base.ttft[c] - fw.drafter[c] - c * fw.admission.get(c, 0.0)
+    room = (plain / goal - base.ttft[c] - fw.drafter[c] - c * fw.admission.get(c, 0.0)
+            - (tokens - 1) * served(c, base, fw))
     tau = (tokens - 1) * decode_step(c, base, fw) / room if room > 0 else float("inf")
     return max(1.0, tau) if tau <= block else None
 
