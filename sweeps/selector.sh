@@ -11,6 +11,7 @@
 #                  0.1, ten times optim.weight_decay, would take 8% off, 1.0 about half)
 #   dropout        the default + dropout 0.2 on the predecessor's codebook row
 #   rank64         the default at selector rank 64 (a quarter of the codebooks' parameters)
+#   decay_dropout  the default + both (decay 1.0, dropout 0.2)
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
@@ -22,7 +23,7 @@
 set -euo pipefail
 ROOT=${ROOT:-runs/selector}
 SEEDS=${SEEDS:-"0 1 2"}
-ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64"}
+ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropout"}
 PY=${PY:-python}
 declare -A OVERRIDES=(
   [dflash]="drafter.kind=dflash"
@@ -32,6 +33,7 @@ declare -A OVERRIDES=(
   [decay]="drafter.kind=dflash2 loss.selector_decay=1.0"
   [dropout]="drafter.kind=dflash2 loss.selector_dropout=0.2"
   [rank64]="drafter.kind=dflash2 drafter.selector_rank=64"
+  [decay_dropout]="drafter.kind=dflash2 loss.selector_decay=1.0 loss.selector_dropout=0.2"
 )
 for arm in $ARMS; do
   for seed in $SEEDS; do
