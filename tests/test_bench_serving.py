@@ -42,6 +42,27 @@ def test_both_servers_are_up_at_once_and_each_run_goes_to_its_own(tmp_path):
     assert urls[0] == urls[2] != urls[1] == urls[3] and all(u.startswith("http://127.0.0.1:") for u in urls)
 
 
+def load_result(tok_s, ttft_ms=10.0, tpot_ms=5.0, accepted=None):
+    return {"output_throughput": tok_s, "mean_ttft_ms": ttft_ms, "mean_tpot_ms": tpot_ms, "total_output_tokens": 480,
+            "completed": 10, "spec_decode_acceptance_length": accepted}
+
+
+def test_each_server_counts_by_its_fastest_round_and_the_model_by_that_plain_run():
+    # a stalled plain round (its tokens/s halved, its ttft 50x) must neither make the ratio nor feed the baseline
+    steps = {"seconds": {kind: {"1": 1e-3} for kind in ("target_decode", "target_verify", "drafter")},
+             "step": {"0": {"1": 6e-3}}, "admission": {"1": 0.0}}
+    clean = {"step": {"0": {"1": 4e-3}}, "admission": {"1": 0.0}}
+    rounds = [(load_result(200.0), load_result(300.0, accepted=3.0)),
+              (load_result(100.0, ttft_ms=500.0), load_result(280.0, accepted=3.0))]
+    table = serving.temperature_table("0", {1: rounds}, {"tau": 3.0}, clean, steps)
+    row = table["rows"][0]
+    assert row["ratio"] == pytest.approx(1.5) and row["round_ratios"] == pytest.approx([1.5, 2.8])
+    assert row["plain_ttft_ms"] == 10.0 and row["vllm_acceptance_length"] == 3.0
+    # served: 5 ms a token served less 4 ms clean; a speculative step 6 + 3 x 1 ms for 3 tokens
+    assert row["served_ms_per_token"] == pytest.approx(1.0)
+    assert row["predicted_ratio"] == pytest.approx((10e-3 + 47 * 5e-3) / (10e-3 + 1e-3 + 47 / 3 * 9e-3))
+
+
 def test_no_vllm_venv_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="not there; `make engines` builds the vLLM venv"):
         serving.main(["--vllm-python", str(tmp_path / "nope" / "python")])
