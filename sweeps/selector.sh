@@ -12,6 +12,8 @@
 #   dropout        the default + dropout 0.2 on the predecessor's codebook row
 #   rank64         the default at selector rank 64 (a quarter of the codebooks' parameters)
 #   decay_dropout  the default + both (decay 1.0, dropout 0.2)
+#   topk8          the default with 8 candidates, not 16 (fewer to overrule a right unary choice; a lower ceiling)
+#   weight2        the default with the selector's CE at weight 2 (loss.selector_weight)
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
@@ -23,7 +25,7 @@
 set -euo pipefail
 ROOT=${ROOT:-runs/selector}
 SEEDS=${SEEDS:-"0 1 2"}
-ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropout"}
+ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropout topk8 weight2"}
 PY=${PY:-python}
 declare -A OVERRIDES=(
   [dflash]="drafter.kind=dflash"
@@ -34,6 +36,8 @@ declare -A OVERRIDES=(
   [dropout]="drafter.kind=dflash2 loss.selector_dropout=0.2"
   [rank64]="drafter.kind=dflash2 drafter.selector_rank=64"
   [decay_dropout]="drafter.kind=dflash2 loss.selector_decay=1.0 loss.selector_dropout=0.2"
+  [topk8]="drafter.kind=dflash2 drafter.selector_top_k=8"
+  [weight2]="drafter.kind=dflash2 loss.selector_weight=2.0"
 )
 for arm in $ARMS; do
   for seed in $SEEDS; do
