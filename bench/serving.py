@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="e.g. 1,2,4,8,16,32")
     parser.add_argument("--temperatures", type=_floats, default=[0.0, 0.7], help="e.g. 0,0.7")
     parser.add_argument("--output-len", type=int, default=48, help="most output tokens per request")
-    parser.add_argument("--requests-per-concurrency", type=int, default=6,
+    parser.add_argument("--requests-per-concurrency", type=int, default=4,
                         help="requests per run: this many per request slot (at least 2 slots), rounded up to a multiple "
                              "of the prompts; runs of 1-4 s measured 0.75 and 1.03 for the same ratio")
     parser.add_argument("--rounds", type=int, default=3,
