@@ -9,12 +9,12 @@ Runs in the main venv (train.py, evaluate.py) and starts vLLM from its own venv,
 `vllm serve` on a free port, waited for on /health, stopped with all its processes at the end or on any failure
 (bench/engines/server.py); the client is vLLM's `vllm bench serve` over HTTP (bench/engines/vllm_load.py runs its
 parser and main, all runs in one process). Both servers (the target alone, and with the drafter) are up at once
-and the runs alternate between them, `--rounds` times per point: each ratio pairs two runs made one after the
-other (on a shared 2-core host, two sweeps made server after server read 1.50 and 0.99 at the same point), and the
-ratio is each server's fastest round over the other's (a run on a shared host is only ever slowed: stalls of 0.4-1.4 s
-a request hit single runs). Per temperature (greedy and 0.7) and concurrency C: output tokens/s with and without the
-drafter, their ratio (the rounds' paired ratios beside it), vLLM's mean acceptance length, the concurrency where the ratio
-crosses 1, and the model's prediction with its error. Writes bench/results/<date>-<machine>-serving.json and the
+and the runs alternate between them, `--rounds` times per point (on a shared 2-core host, two sweeps made server
+after server read 1.50 and 0.99 at the same point); the ratio is each server's fastest round over the other's (a
+run on a shared host is only ever slowed: stalls of 0.4-1.4 s a request hit single runs). Per temperature (greedy
+and 0.7) and concurrency C: output tokens/s with and without the drafter, their ratio (the rounds' paired ratios
+beside it), vLLM's mean acceptance length, the concurrency where the ratio crosses 1, and the model's prediction
+with its error. Writes bench/results/<date>-<machine>-serving.json and the
 plot of ratio against C beside it. On CPU the numbers prove the harness, not a GPU.
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -127,7 +127,8 @@ def drive(vllm_python: str, servers: dict[str, list[str]], runs: list[tuple[str,
             urls[name], procs[name] = stack.enter_context(
                 served(cmd, port, work / f"{name}-server.log", timeout=timeout, env=engine_env()))
         spec = work / "load-runs.json"
-        spec.write_text(json.dumps({"runs": [[urls[name] if a == "{url}" else a for a in args] for name, args in runs]}))
+        filled = [[urls[name] if a == "{url}" else a for a in args] for name, args in runs]
+        spec.write_text(json.dumps({"runs": filled}))
         answer = work / "load.json"
         answer.unlink(missing_ok=True)
         code = run([vllm_python, REPO / "bench" / "engines" / "vllm_load.py", spec, answer], work / "load.log",
@@ -195,8 +196,8 @@ def sweep(args) -> dict:
         (name, load_args("{url}", target, prompts, sizes[c], c, t, args.output_len))
         for t, c in runs for _ in range(args.rounds) for name in ("plain", "drafter")]
     done = drive(args.vllm_python, {"plain": serve, "drafter": serve + spec}, loads, work, args.health_timeout)[2:]
-    paired = {run: [(done[2 * (i * args.rounds + r)], done[2 * (i * args.rounds + r) + 1]) for r in range(args.rounds)]
-              for i, run in enumerate(runs)}
+    pairs = zip(done[0::2], done[1::2])  # (plain, drafter) run after run, `rounds` of them a point, in order
+    paired = {run: [next(pairs) for _ in range(args.rounds)] for run in runs}
     result = {"date": time.strftime("%Y-%m-%d"), "command": "python -m bench.serving " + shlex.join(sys.argv[1:]),
               "commit": _commit(), "machine": _machine(), "engine": steps["versions"], "target": target,
               "drafter": str(export), "drafter_from": export_where, "num_speculative_tokens": k,
