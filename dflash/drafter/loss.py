@@ -47,7 +47,7 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | Non
 
 
 class WeightedCE(torch.autograd.Function):
-    """sum_i w_i CE(logits_i, labels_i), its gradient written in one [N, V] tensor: w_i g (softmax_i - onehot(labels_i)),
+    """sum_i w_i CE(logits_i, labels_i), its gradient written in one [N, V] tensor: w_i g (softmax_i - onehot(label_i)),
     the softmax exp'd in place from the saved log-softmax, where autograd's cross_entropy zero-fills one for nll_loss's
     one-hot and makes another in log_softmax's backward (1.5% of a 512-anchor CPU step). Every label must be a token
     id (no ignore_index: the loss's rows are the labelled ones). The weights may carry a gradient (CE_i g)."""

@@ -252,11 +252,16 @@ def test_a_two_source_mixture_regenerates_tool_conversations_in_each_sources_ren
     assert sorted(calls) == sorted([("Paris", 0), ("Paris", 1), ("Paris", 2)] * 2)  # every point, once a source
     assert tool_items(prepared.info) == {f"{v}/{p}" for v in ("think", "plain") for p in points[:2]}  # call, result
     empty_think = encode(tools_target.tokenizer, "<think>\n\n</think>")
+
+    def split(seq) -> tuple[list[int], list[int]]:  # (the context, the answer: the tokens the loss covers)
+        ids, answer = [int(i) for i in seq.input_ids], int(sum(seq.loss_mask))
+        return ids[: len(ids) - answer], ids[len(ids) - answer:]
+
+    def contains(ids: list[int], sub: list[int]) -> bool:
+        return any(ids[i:i + len(sub)] == sub for i in range(len(ids)))
+
     for p in points:
-        think, plain = by_id[f"think/{p}"], by_id[f"plain/{p}"]
-        text = lambda s: s.input_ids[: len(s.input_ids) - int(sum(s.loss_mask))]  # noqa: E731  the context
-        as_list = lambda ids: [int(i) for i in ids]  # noqa: E731
-        contains = lambda ids, sub: any(ids[i:i + len(sub)] == sub for i in range(len(ids)))  # noqa: E731
-        assert contains(as_list(text(plain)), empty_think) and not contains(as_list(text(think)), empty_think)
+        (think, think_answer), (plain, plain_answer) = split(by_id[f"think/{p}"]), split(by_id[f"plain/{p}"])
+        assert contains(plain, empty_think) and not contains(think, empty_think)
         # the answer is the scripted one in both renderings: the loss covers it and nothing else
-        assert as_list(think.input_ids)[-int(sum(think.loss_mask)):] == as_list(plain.input_ids)[-int(sum(plain.loss_mask)):]
+        assert think_answer == plain_answer
