@@ -305,7 +305,7 @@ def verdict(result: dict) -> str:
             lines.append(f"  {r['concurrency']:>3}  {r['plain_tok_s']:>11.1f}  {r['drafter_tok_s']:>13.1f}  "
                          f"{r['ratio']:>5.2f}  {acc if acc is None else round(acc, 2)!s:>11}  "
                          f"{r['predicted_ratio']:>5.2f}  {r['error']:>+5.0%}  "
-                         f"{' '.join(f'{x:.2f}' for x in r.get('round_ratios', []))}")
+                         f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])}")
     lines.append("(tokens/s: each server's fastest round; paired rounds: drafter over plain, run after run)")
     lines.append(f"model within {TOLERANCE:.0%} at every concurrency: "
                  f"{'yes' if result['model_within_tolerance'] else 'NO'}")

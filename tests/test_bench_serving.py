@@ -70,7 +70,7 @@ def test_no_vllm_venv_is_one_line(tmp_path):
 
 def result(ratios, predicted):
     rows = [{"concurrency": c, "requests": 16, "plain_tok_s": 100.0 * c, "drafter_tok_s": 100.0 * c * r, "ratio": r,
-             "vllm_acceptance_length": 3.0, "predicted_ratio": p, "error": p / r - 1}
+             "round_ratios": [r, 0.9 * r], "vllm_acceptance_length": 3.0, "predicted_ratio": p, "error": p / r - 1}
             for c, r, p in zip((1, 2, 4), ratios, predicted)]
     return {"target": "/t/tiny_qwen3_hd32", "drafter_from": "given", "num_speculative_tokens": 7, "output_len": 48,
             "engine": {"vllm": "0.32.0+cpu"}, "machine": {"cores": 2},
