@@ -69,9 +69,14 @@ def fail(error: Exception) -> None:
 
 
 def run(fn, job):
-    """fn(job); a DFlashError exits 2 with its message alone (set DFLASH_TRACEBACK=1 for the trace)."""
+    """fn(job), then the launch's process groups ended cleanly (dflash.dist.finish); a DFlashError exits 2 with its
+    message alone (set DFLASH_TRACEBACK=1 for the trace)."""
+    from dflash.dist import finish
+
     try:
-        return fn(job)
+        out = fn(job)
+        finish()
+        return out
     except DFlashError as e:
         if os.environ.get("DFLASH_TRACEBACK"):
             raise

@@ -204,3 +204,18 @@ def current(timeout_minutes: float | None = None) -> Dist:
 
         _current = Dist(state.process_index, state.num_processes, state.wait_for_everyone, _get_default_store())
     return _current
+
+
+def finish() -> None:
+    """At the normal end of a launch's process: wait for the other processes (`wait_long`: their shares of the
+    work may end hours apart), stop the heartbeat and destroy every process group, as PyTorch asks of a program
+    that started one. Left to the interpreter's exit, the groups' threads can abort a process that has done
+    its work (gloo, seen as "terminate called without an active exception"), and the launch then fails."""
+    import torch.distributed as td
+
+    if not (td.is_available() and td.is_initialized()):
+        return
+    if _current is not None:
+        _current.wait_long("finish")
+        _current.leave()
+    td.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The entry points' shared start-up (dflash.cli): the compile caches."""
+"""The entry points' shared start-up and end (dflash.cli): the compile caches, the process groups ended."""
 
 import os
 
@@ -55,3 +55,26 @@ def test_a_bad_compile_cache_is_refused(tmp_path, bad, message):
         bad.write_text("")
     with pytest.raises(ConfigError, match=message):
         OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {"compile_cache": str(bad)}))
+
+
+def test_a_finished_run_destroys_the_process_group(tmp_path):
+    """After the job succeeded, `run` destroys the process group (dflash.dist.finish): left to the interpreter's exit,
+    gloo's threads aborted a process that had printed its result (tests/target/tp_probe, 2 of 6 launches under
+    load); a failed job exits 2 without waiting for anyone."""
+    import torch.distributed as td
+
+    from dflash.cli import run
+
+    def refuse(job):
+        raise ConfigError("no")
+
+    td.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        assert run(lambda job: job + 1, 6) == 7
+        assert not td.is_initialized()
+        with pytest.raises(SystemExit) as e:
+            run(refuse, None)
+        assert e.value.code == 2
+    finally:
+        if td.is_initialized():
+            td.destroy_process_group()

@@ -93,6 +93,8 @@ def main(argv: list[str]) -> None:
     td.all_gather_object(gathered, out)
     if td.get_rank() == 0:
         print(json.dumps(gathered))
+    td.barrier()
+    td.destroy_process_group()  # left to the interpreter's exit, gloo's threads sometimes abort the process
 
 
 if __name__ == "__main__":
