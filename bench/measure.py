@@ -66,10 +66,27 @@ def timed(fn, repeat: int, warmup: int = 1) -> float:
     return times[len(times) // 2]
 
 
-def matmul_flops(device: torch.device, n: int = 2048, dtype=torch.float32) -> float:
+def matmul_call(device: torch.device, n: int = 2048, dtype=torch.float32):
+    """(a call multiplying two n x n matrices, its FLOPs): the yardstick of FLOP/s figures."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    t = timed(lambda: a @ b, repeat=5)
-    return 2 * n**3 / t
+    return (lambda: a @ b), 2 * n**3
+
+
+def matmul_flops(device: torch.device, n: int = 2048, dtype=torch.float32) -> float:
+    call, flops = matmul_call(device, n, dtype)
+    return flops / timed(call, repeat=5)
+
+
+def paired_times(fn, reference, repeat: int, warmup: int = 1) -> tuple[float, float, float]:
+    """fn and `reference` called in turn `repeat` times after warmup: (fn's median time, the reference's median
+    time, the median of the pairs' reference time / fn time). A shared machine's speed drifts by tens of percent
+    within a minute; a ratio of two calls made back to back moves far less than the ratio of two medians taken
+    apart."""
+    for _ in range(warmup):
+        fn(), reference()
+    pairs = [(time_call(fn), time_call(reference)) for _ in range(repeat)]
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return median([p[0] for p in pairs]), median([p[1] for p in pairs]), median([r / f for f, r in pairs])
 
 
 class TensorPeak:

@@ -31,3 +31,21 @@ def test_the_dflash2_bench_times_the_coupled_step_beside_the_detached_one():
     assert out["coupled_over_detached"] == pytest.approx(times["dflash2_coupled"] / times["dflash2"], rel=0.01)
     assert suites.headline({"dflash2": {"shapes": {"tiny": out}}})["dflash2_coupled_step_over_detached"] == \
         out["coupled_over_detached"]
+
+
+
+
+def test_paired_times_keep_the_ratio_when_the_machine_drifts(monkeypatch):
+    """bench.measure.paired_times: the step and the matmul yardstick called in turn (scripted clock). The machine's
+    speed drifts 3x over the five pairs, and in the last two it slowed between the step and its matmul. The median of
+    the pairs' ratios is 0.2, as three of five pairs say; the ratio of the two medians would read 0.4."""
+    from bench import measure
+
+    steps, matmuls = [1.0, 3.0, 1.5, 2.0, 1.0], [0.2, 0.6, 0.3, 0.9, 0.7]
+    times = iter([t for pair in zip(steps, matmuls) for t in pair])  # the warm-up pair is not timed
+    calls = []
+    monkeypatch.setattr(measure, "time_call", lambda fn: (fn(), next(times))[1])
+    step, mm, ratio = measure.paired_times(lambda: calls.append("step"), lambda: calls.append("mm"), repeat=5)
+    assert calls == ["step", "mm"] * 6
+    assert (step, mm) == (1.5, 0.6)  # their ratio, 0.4, is what medians taken apart give
+    assert abs(ratio - 0.2) < 1e-12
