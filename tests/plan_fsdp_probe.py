@@ -98,6 +98,7 @@ def main() -> None:
     (out / f"peak-{acc.process_index}.json").write_text(json.dumps({
         "peak": mem.peak, "op": mem.peak_op, "world": acc.num_processes,
         "sharded": type(next(model.parameters())).__name__}))
+    acc.end_training()  # the group ended before exit (left to it, gloo's threads can abort a process)
 
 
 if __name__ == "__main__":

@@ -295,6 +295,7 @@ except CacheError as e:
 result.update(hashed=dict(hashed), opened=dict(opened))
 with open(os.path.join(out, f"rank{dist.rank}.json"), "w") as f:
     json.dump(result, f)
+dist_mod.finish()  # the group ended before exit, as the entry points end it
 """
 
 

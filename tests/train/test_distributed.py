@@ -110,6 +110,7 @@ layer = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (acc.num
 lines.append(f"fsdp2: {type(layer.weight).__name__} {tuple(layer.weight.to_local().shape)}")
 with open(f"facts-{acc.process_index}.txt", "w") as f:  # one file a process: their stdout interleaves
     f.write("\\n".join(lines))
+acc.end_training()  # the group ended before exit (left to it, gloo's threads can abort a process)
 """
 
 FSDP_ON_CPU = """
