@@ -61,6 +61,10 @@ def test_what_serving_adds_per_token_is_paid_for_every_token_a_speculative_step_
     base, fw = costs(tpot=2.0, ttft=5.0, decode=1.0, verify=1.5, drafter=0.2, clean={1: 1.6})
     tau = model.needed_tau(1, 1.2, 200, 16, base, fw)
     assert model.speedup(1, tau, 200, base, fw) == pytest.approx(1.2)
+    # and with arrivals admitted: 8 requests, 2 s an admission
+    base, fw = costs(tpot=2.0, ttft=5.0, decode=1.0, verify=1.5, drafter=0.2, admission=2.0, clean={8: 1.6})
+    tau = model.needed_tau(8, 1.1, 41, 16, base, fw)
+    assert model.speedup(8, tau, 41, base, fw) == pytest.approx(1.1)
 
 
 def test_crossing_is_the_first_concurrency_below_one():

@@ -86,14 +86,17 @@ def spec_step(c: int, base: Baseline, fw: Forwards, tau: float, tokens: float) -
     return decode_step(c, base, fw) + tau * served(c, base, fw) + arrivals
 
 
+def spec_request(c: int, tau: float, tokens: float, base: Baseline, fw: Forwards) -> float:
+    """R_spec: seconds of a request of `tokens` output tokens with the drafter at concurrency c."""
+    return base.ttft[c] + fw.drafter[c] + (tokens - 1) / tau * spec_step(c, base, fw, tau, tokens)
+
+
 def speedup(c: int, tau: float, tokens: float, base: Baseline, fw: Forwards) -> float:
     """Predicted throughput with the drafter over without, at concurrency c, for requests of `tokens` output tokens
     on average and a mean acceptance length `tau` (tokens per verify step)."""
     if tau < 1:
         raise ValueError(f"tau is the mean acceptance length, at least 1 (the target's own token); got {tau}")
-    plain = base.ttft[c] + (tokens - 1) * base.tpot[c]
-    spec = base.ttft[c] + fw.drafter[c] + (tokens - 1) / tau * spec_step(c, base, fw, tau, tokens)
-    return plain / spec
+    return (base.ttft[c] + (tokens - 1) * base.tpot[c]) / spec_request(c, tau, tokens, base, fw)
 
 
 def crossing(ratios: dict[int, float]) -> int | None:
@@ -243,11 +246,12 @@ def read_tau(spec: str, target_path: str, block_size: int) -> tuple[float, str]:
 def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, fw: Forwards) -> float | None:
     """The mean acceptance length a drafter needs for throughput `goal` x the target alone at concurrency c;
     None where even tau = block (every draft accepted) does not reach it."""
-    # R_spec = ttft + drafter + (tokens - 1) / tau * decode + (tokens - 1) * served + c * admission: solved for tau
-    plain = base.ttft[c] + (tokens - 1) * base.tpot[c]
-    room = (plain / goal - base.ttft[c] - fw.drafter[c] - c * fw.admission.get(c, 0.0)
-            - (tokens - 1) * served(c, base, fw))
-    tau = (tokens - 1) * decode_step(c, base, fw) / room if room > 0 else float("inf")
+    # R_spec is fixed + per_tau / tau (spec_step is linear in tau): both read off two evaluations of it, so this
+    # inverts `speedup` by construction rather than by a second copy of its algebra
+    one, two = spec_request(c, 1.0, tokens, base, fw), spec_request(c, 2.0, tokens, base, fw)
+    per_tau = 2 * (one - two)
+    room = (base.ttft[c] + (tokens - 1) * base.tpot[c]) / goal - (one - per_tau)  # R_plain / goal - fixed
+    tau = per_tau / room if room > 0 else float("inf")
     return max(1.0, tau) if tau <= block else None
 
 
