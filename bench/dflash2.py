@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from bench.measure import time_call
+from bench.measure import median, time_call
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
@@ -69,7 +69,7 @@ def _alternating(fns: dict, rounds: int, per_round: int = 3) -> dict:
         for k, fn in fns.items():
             fn()
             times[k] += [time_call(fn) for _ in range(per_round)]
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {k: median(v) for k, v in times.items()}
 
 
 def _train_step(drafter, embed, head, feats, blocks, total_w, optimizer, gradient="detach_unary"):

@@ -58,12 +58,17 @@ def time_call(fn) -> float:
     return time.perf_counter() - t
 
 
+def median(values) -> float:
+    """The middle value (the upper one of an even count): what every timing here reports."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def timed(fn, repeat: int, warmup: int = 1) -> float:
     """Median wall time of fn() over `repeat` runs, after warmup."""
     for _ in range(warmup):
         fn()
-    times = sorted(time_call(fn) for _ in range(repeat))
-    return times[len(times) // 2]
+    return median(time_call(fn) for _ in range(repeat))
 
 
 def matmul_call(device: torch.device, n: int = 2048, dtype=torch.float32):
@@ -85,8 +90,7 @@ def paired_times(fn, reference, repeat: int, warmup: int = 1) -> tuple[float, fl
     for _ in range(warmup):
         fn(), reference()
     pairs = [(time_call(fn), time_call(reference)) for _ in range(repeat)]
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return median([p[0] for p in pairs]), median([p[1] for p in pairs]), median([r / f for f, r in pairs])
+    return median(f for f, _ in pairs), median(r for _, r in pairs), median(r / f for f, r in pairs)
 
 
 class TensorPeak:

@@ -33,8 +33,6 @@ def test_the_dflash2_bench_times_the_coupled_step_beside_the_detached_one():
         out["coupled_over_detached"]
 
 
-
-
 def test_paired_times_keep_the_ratio_when_the_machine_drifts(monkeypatch):
     """bench.measure.paired_times: the step and the matmul yardstick called in turn (scripted clock). The machine's
     speed drifts 3x over the five pairs, and in the last two it slowed between the step and its matmul. The median of
