@@ -86,6 +86,11 @@ def spec_step(c: int, base: Baseline, fw: Forwards, tau: float, tokens: float) -
     return decode_step(c, base, fw) + tau * served(c, base, fw) + arrivals
 
 
+def plain_request(c: int, tokens: float, base: Baseline) -> float:
+    """R_plain: seconds of a request of `tokens` output tokens served by the target alone at concurrency c."""
+    return base.ttft[c] + (tokens - 1) * base.tpot[c]
+
+
 def spec_request(c: int, tau: float, tokens: float, base: Baseline, fw: Forwards) -> float:
     """R_spec: seconds of a request of `tokens` output tokens with the drafter at concurrency c."""
     return base.ttft[c] + fw.drafter[c] + (tokens - 1) / tau * spec_step(c, base, fw, tau, tokens)
@@ -96,7 +101,7 @@ def speedup(c: int, tau: float, tokens: float, base: Baseline, fw: Forwards) -> 
     on average and a mean acceptance length `tau` (tokens per verify step)."""
     if tau < 1:
         raise ValueError(f"tau is the mean acceptance length, at least 1 (the target's own token); got {tau}")
-    return (base.ttft[c] + (tokens - 1) * base.tpot[c]) / spec_request(c, tau, tokens, base, fw)
+    return plain_request(c, tokens, base) / spec_request(c, tau, tokens, base, fw)
 
 
 def crossing(ratios: dict[int, float]) -> int | None:
@@ -250,7 +255,7 @@ def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, f
     # inverts `speedup` by construction rather than by a second copy of its algebra
     one, two = spec_request(c, 1.0, tokens, base, fw), spec_request(c, 2.0, tokens, base, fw)
     per_tau = 2 * (one - two)
-    room = (base.ttft[c] + (tokens - 1) * base.tpot[c]) / goal - (one - per_tau)  # R_plain / goal - fixed
+    room = plain_request(c, tokens, base) / goal - (one - per_tau)  # R_plain / goal - fixed
     tau = per_tau / room if room > 0 else float("inf")
     return max(1.0, tau) if tau <= block else None
 
