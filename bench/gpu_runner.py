@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash.io import write_json
+from dflash.io import unused_path, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PARTIAL_ENV = "GPU_CHECK_PARTIAL"
@@ -151,8 +151,7 @@ class Report:
         self.data["inductor_cache"] = inductor_cache()
         self.data["inductor_cache"]["files_before"] = self.data["inductor_cache"].pop("files")
         stem = f"{self.data['date']}-{_machine_tag(info)}-gpu-check"
-        name = next(f"{stem}{n}.json" for n in ["", *(f"-{i}" for i in range(2, 10_000))]
-                    if not (results_dir / f"{stem}{n}.json").exists())  # another run's report stays as it was
+        name = unused_path(results_dir, stem).name  # another run's report stays as it was
         self.paths = [results_dir / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
         install = os.environ.get("GPU_CHECK_INSTALL")  # bench/gpu_check.sh's own first line
         if install:  # already printed by the script

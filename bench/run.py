@@ -4,7 +4,7 @@
     python -m bench --quick    # under 2 minutes on 2 cores (what CI runs)
     python -m bench --drafter runs/<run>/checkpoints/step-000100   # live decoding with a trained drafter
 
-Writes bench/results/<date>-<machine>.json and prints a table. Ratios measured in the same run
+Writes bench/results/<date>-<machine>.json (-2, -3 ... beside an earlier run of the day) and prints a table. Ratios measured in the same run
 are the headline figures; absolute times depend on the machine and its load.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.measure import PeakMemory, matmul_flops
+from dflash.io import unused_path
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -70,7 +71,8 @@ def main(argv=None) -> dict:
         print(f"[bench] {name}: done in {out['seconds']} s", file=sys.stderr)
     results["headline"] = suites.headline(results["benchmarks"])
     results["total_seconds"] = round(time.time() - start, 1)
-    out_path = args.out or RESULTS / f"{results['date']}-{_machine_tag(results['machine'])}.json"
+    # a second run of the day goes beside the first (-2, -3 ...): a committed result is never overwritten
+    out_path = args.out or unused_path(RESULTS, f"{results['date']}-{_machine_tag(results['machine'])}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1))
     suites.print_table(results)

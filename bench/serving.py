@@ -35,6 +35,7 @@ from bench.engines import REPO, compose_job, run
 from bench.engines.server import EngineError, free_port, served
 # the vLLM check's tiny_qwen3_hd32 (vLLM's CPU attention needs head width 32) and its drafter's 100 training steps
 from bench.engines.vllm_check import COMMON, STEPS
+from dflash.io import unused_path
 from dflash.plan import serving as model
 
 PROMPTS = "builtin:tiny_prompts"
@@ -347,9 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     tag = (result["machine"].get("gpu") or f"cpu{result['machine']['cores']}").lower().replace(" ", "-")
     out = args.out
     if out is None:  # a second sweep of the day is kept beside the first, never over it
-        stem = f"{result['date']}-{tag}-serving"
-        out = next(RESULTS / f"{stem}{'' if n == 1 else f'-{n}'}.json" for n in range(1, 1000)
-                   if not (RESULTS / f"{stem}{'' if n == 1 else f'-{n}'}.json").exists())
+        out = unused_path(RESULTS, f"{result['date']}-{tag}-serving")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))

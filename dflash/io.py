@@ -44,5 +44,16 @@ def write_text(path: Path, text: str) -> None:
     _replace(path, lambda f: f.write(text))
 
 
+def unused_path(folder: Path, stem: str, suffix: str = ".json") -> Path:
+    """folder/<stem><suffix>, or the first of <stem>-2, <stem>-3, ... that does not exist: a result written
+    there never replaces one written before it (a second benchmark of the day goes beside the first)."""
+    folder = Path(folder)
+    for n in range(1, 10_000):
+        path = folder / f"{stem}{'' if n == 1 else f'-{n}'}{suffix}"
+        if not path.exists():
+            return path
+    raise FileExistsError(f"{folder}/{stem}-*{suffix}: 9999 files exist; move old results away")
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())

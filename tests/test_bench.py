@@ -47,3 +47,19 @@ def test_paired_times_keep_the_ratio_when_the_machine_drifts(monkeypatch):
     assert calls == ["step", "mm"] * 6
     assert (step, mm) == (1.5, 0.6)  # their ratio, 0.4, is what medians taken apart give
     assert abs(ratio - 0.2) < 1e-12
+
+
+def test_a_second_run_of_the_day_goes_beside_the_first(tmp_path, monkeypatch):
+    """python -m bench used to write bench/results/<date>-<machine>.json over a result of the same day (a
+    committed one included); the second run now goes to <...>-2.json and the first stays as it was."""
+    from bench import run
+
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    monkeypatch.setattr(run, "matmul_flops", lambda device: 1e9)  # the yardstick's figure is not under test
+    first = run.main(["--quick", "--only", "bytes_per_token"])
+    written = sorted(tmp_path.glob("*.json"))
+    assert len(written) == 1
+    before = written[0].read_text()
+    run.main(["--quick", "--only", "bytes_per_token"])
+    assert {p.name for p in tmp_path.glob("*.json")} == {written[0].name, written[0].name.replace(".json", "-2.json")}
+    assert written[0].read_text() == before and first["benchmarks"]["bytes_per_token"]
