@@ -3,8 +3,8 @@
     python -m bench.engines --vllm-python .venv-engines/vllm/bin/python --fla-python .venv-engines/fla/bin/python
     python -m bench.engines ... --break layer_ids      # or --break backend: the check must FAIL
 
-Writes bench/results/<date>-cpu<cores>-engines.json (--out to choose): each check's findings with the engine
-versions they were verified with. Exit status 1 when a check fails.
+Writes bench/results/<date>-cpu<cores>-engines.json (-2, -3 ... beside an earlier run; --out to choose): each
+check's findings with the engine versions they were verified with. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from bench.engines import REPO, fla_check, pins, vllm_check, vllm_features_check
+from dflash.io import unused_path
 
 
 CHECKS = {"vllm": (vllm_check, "vllm_python", "vllm", "layer_ids"),
@@ -50,8 +51,8 @@ def main() -> None:
             print(verdicts[-1], flush=True)
     result["ok"] = all(c["ok"] for c in result["checks"].values())
     result["seconds"] = round(time.time() - start)
-    out_path = args.out or REPO / "bench" / "results" / f"{result['date']}-cpu{os.cpu_count()}-engines" \
-        f"{'-break-' + args.broken if args.broken else ''}.json"
+    out_path = args.out or unused_path(REPO / "bench" / "results", f"{result['date']}-cpu{os.cpu_count()}-engines"
+                                       f"{'-break-' + args.broken if args.broken else ''}")  # never over an earlier run
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"engines: {'PASS' if result['ok'] else 'FAIL'} in {result['seconds']} s; results in {out_path}")
     sys.exit(0 if result["ok"] else 1)
