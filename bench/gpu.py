@@ -276,6 +276,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     from dflash import plan
     from dflash.plan.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
+    from dflash.drafter.build import use_conv_kernel
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
 
@@ -285,6 +286,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     setup = replace(setup, foreach=False)
     drafter, embed, head = preset_drafter(job, device)
     drafter.gradient_checkpointing = setup.checkpointing  # as dflash.train.loop turns it on
+    conv_kernel = use_conv_kernel(drafter, job["train"].conv_kernel, device)  # DFlash 2: Triton on CUDA, as it trains
     drafter.train()
     L, n = setup.ctx_len, setup.num_anchors
     blocks, clean = make_batch(drafter, L, n, device, spread=True)
@@ -358,6 +360,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
                  f"vocab {c.vocab_size}, B={drafter.block_size}, {L} tokens, {n} anchors, {setup.backend}, "
                  f"{'bf16 autocast' if autocast else 'float32'}",
         "backend": setup.backend, "checkpointing": setup.checkpointing,  # the plan: is the recompute in the MFU
+        "conv_kernel": conv_kernel,
         "params": sum(p.numel() for p in drafter.parameters()),
         "mask_kinds": len(set(drafter.layer_types)),
         "step_s": round(t, 4), "first_step_s": round(first, 2),

@@ -110,14 +110,33 @@ def qwen3_6_dflash2_step(budget: float) -> dict:
     """The published 27B DFlash 2 drafter's compiled flex step (5 non-causal sliding layers, blocks of 8, the
     convolutions and the selector's loss) at 3072 tokens and 512 anchors, judged by `preset_verdict`: the plan's
     DFlash 2 terms against the measured peak, and one step's profile by op class. Run alone, after the other two
-    timing checks."""
+    timing checks. First the Triton convolution at this shape (bench.dflash2_conv.conv_on_gpu): equal to the torch
+    path, and both timed; the step trains with it (train.conv_kernel=auto) where it is equal, else with the torch
+    path and the check fails."""
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (a 2.0B-parameter DFlash 2 drafter step through flex "
                                              "attention)"}
+    from bench.dflash2_conv import conv_on_gpu
     from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_step
 
-    return preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET, budget_s=budget))
+    try:  # the Triton convolution, compared and timed alone first: the step trains with it only where it is equal
+        conv = conv_on_gpu(device)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not compile must not cost the step's figures
+        conv = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    result = preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET + ([] if conv["ok"] else
+                                                                          ["train.conv_kernel=torch"]), budget_s=budget))
+    result["conv_kernel_check"] = conv
+    if conv["ok"]:
+        result["summary"] += (f"; Triton convolution equal to torch's, fwd+bwd {conv['fwd_bwd_ms']['triton']} ms "
+                              f"against {conv['fwd_bwd_ms']['torch']} ms (x{conv['torch_over_triton']})")
+    else:
+        why = conv.get("error") or "; ".join(f"{d}: {r.get('kernel_vs_torch') or r['kernel_vs_float32']}"
+                                             for d, r in conv["compared"].items() if not r["ok"])
+        result["status"] = "FAIL"
+        result["summary"] = (f"the Triton convolution is not equal to the torch path ({why}): the step ran with "
+                             f"train.conv_kernel=torch; " + result["summary"])
+    return result
 
 
 def autocast_loss(budget: float) -> dict:

@@ -2,8 +2,10 @@
 fla in venvs of their own (`make engines`; CI runs it after the tests)."""
 
 import importlib.metadata
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +113,30 @@ def test_make_engines_runs_the_vllm_features_check_with_the_vllm_venv():
 
     module, python, _, breaks = engines.CHECKS["vllm_features"]
     assert module.__name__ == "bench.engines.vllm_features_check" and python == "vllm_python" and breaks == "layer_ids"
+
+
+@pytest.mark.parametrize("case", ["pass", "shape", "torch_ran", "grads"])
+def test_the_conv_check_fails_on_any_shape_off_or_a_step_that_never_ran_the_kernel(tmp_path, monkeypatch, case):
+    """make engines runs the conv check in the fla venv (conv_probe.py under Triton's interpreter); its verdict
+    needs every shape within the rule and the drafter step through the kernel (auto resolved to triton), equal."""
+    from bench.engines import __main__ as engines
+    from bench.engines import conv_check
+
+    assert engines.CHECKS["conv"][:2] == (conv_check, "fla_python") and engines.CHECKS["conv"][3] == "conv"
+    row = {"kernel_vs_torch": {"out": 1e-7}, "ok": True}
+    step = {"conv_kernel": "triton", "same_grads": True, "loss_rel_diff": 0.0, "grad_rel_diff": 4e-7,
+            "loss_torch": 9.24, "loss_kernel": 9.24, "grads": 36, "worst_grad": "hidden_norm.weight"}
+    if case == "shape":
+        row = {"kernel_vs_torch": {"out": 0.5}, "ok": False}
+    step |= {"torch_ran": {"conv_kernel": "torch"}, "grads": {"grad_rel_diff": 1e-2}}.get(case, {})
+
+    def probe(cmd, log, env=None):
+        assert cmd[1:3] == ["-m", "bench.engines.conv_probe"] and env["HF_HUB_OFFLINE"] == "1"
+        Path(cmd[3]).write_text(json.dumps({"triton": "3.9.0", "torch": "2.13.0", "ops": {"a shape": row},
+                                            "step": step}))
+        return 0
+
+    monkeypatch.setattr(conv_check, "run", probe)
+    out = conv_check.check("python", tmp_path / "conv")
+    assert out["ok"] == (case == "pass")
+    assert conv_check.verdict(out).endswith("PASS" if case == "pass" else "FAIL")

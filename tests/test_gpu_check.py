@@ -330,6 +330,7 @@ def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind)
     print(verdict["summary"])
     assert verdict["status"] == "PASS", verdict["summary"]
     assert out["mask_kinds"] == 2 and out["context_tokens_per_s"] > 0 and out["mfu"] is None
+    assert out["conv_kernel"] == ("torch" if kind == "dflash2" else "auto")  # no convolution in DFlash
     assert out["timed_steps_compiled"] == {"graphs": 0, "recompiles": 0}
     assert abs(out["plan_over_measured"] - 1) <= 0.15
     # the forward and backward alone: below the whole step's peak, within 15% of the plan's, rise included
@@ -338,6 +339,36 @@ def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind)
     assert abs(out["plan_activation_rise_over_measured"] - 1) <= 0.15
     wrong = preset_verdict({**out, "plan_over_measured": 1.2, "backend": "flex"})
     assert "1.200x the measured" in wrong["summary"] and "flex ran uncompiled" in wrong["summary"]
+
+
+@pytest.mark.parametrize("conv", ["equal", "unequal", "raises"])
+def test_the_dflash2_step_trains_with_the_triton_convolution_only_where_it_is_equal(monkeypatch, conv):
+    """qwen3_6_dflash2_step compares and times the Triton convolution first (bench.dflash2_conv.conv_on_gpu); the
+    step trains with it where it is equal, else with train.conv_kernel=torch, and the check then fails saying why
+    (a kernel that does not even run costs the check's verdict, not the step's figures)."""
+    from bench import dflash2_conv, gpu, gpu_checks
+
+    row = {"ok": conv == "equal", "kernel_vs_float32": {"out": 0.5}}
+    found = {"ok": conv == "equal", "compared": {"bfloat16": row}, "fwd_bwd_ms": {"torch": 3.0, "triton": 1.0},
+             "torch_over_triton": 3.0}
+
+    def conv_on_gpu(device):
+        if conv == "raises":
+            raise RuntimeError("PassManager::run failed")
+        return found
+
+    ran = []
+    monkeypatch.setattr(gpu_checks, "_cuda", lambda: torch.device("cuda"))
+    monkeypatch.setattr(dflash2_conv, "conv_on_gpu", conv_on_gpu)
+    monkeypatch.setattr(gpu, "preset_step", lambda device, overrides, budget_s: ran.append(overrides) or _preset_out())
+    out = gpu_checks.qwen3_6_dflash2_step(100)
+    assert ran[0][:len(gpu.QWEN3_6_DFLASH2_PRESET)] == gpu.QWEN3_6_DFLASH2_PRESET
+    if conv == "equal":
+        assert out["status"] == "PASS" and ran[0] == gpu.QWEN3_6_DFLASH2_PRESET, out["summary"]
+        assert "fwd+bwd 1.0 ms against 3.0 ms (x3.0)" in out["summary"]
+    else:
+        assert out["status"] == "FAIL" and ran[0][-1] == "train.conv_kernel=torch"
+        assert ("PassManager::run failed" if conv == "raises" else "bfloat16: {'out': 0.5}") in out["summary"]
 
 
 def _preset_out(**figures) -> dict:

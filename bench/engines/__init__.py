@@ -6,6 +6,8 @@
   with the CPU connector shim of vllm_hidden_states.py) equals transformers' features, recorded and kept apart.
 - fla_check: extraction through the fla kernels (Triton's interpreter, with the fixes of triton_fixes.py),
   recorded as such, equal to the PyTorch fallback's within tolerance, and never mixed with it.
+- conv_check: DFlash 2's Triton convolution (dflash/drafter/conv_kernel.py) equals the torch path forward and
+  backward, and in a drafter's training step, under Triton's interpreter in the fla venv (conv_probe.py runs there).
 - pins: the engine versions these checks were verified with.
 """
 

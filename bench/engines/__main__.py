@@ -1,7 +1,8 @@
-"""`make engines`: both engine checks, their verdicts, and one result file.
+"""`make engines`: the engine checks (vLLM, vLLM's features, fla, DFlash 2's Triton convolution), their verdicts,
+and one result file.
 
     python -m bench.engines --vllm-python .venv-engines/vllm/bin/python --fla-python .venv-engines/fla/bin/python
-    python -m bench.engines ... --break layer_ids      # or --break backend: the check must FAIL
+    python -m bench.engines ... --break layer_ids      # or --break backend, --break conv: the check must FAIL
 
 Writes bench/results/<date>-cpu<cores>-engines.json (-2, -3 ... beside an earlier run; --out to choose): each
 check's findings with the engine versions they were verified with. Exit status 1 when a check fails.
@@ -16,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench.engines import REPO, fla_check, pins, vllm_check, vllm_features_check
+from bench.engines import REPO, conv_check, fla_check, pins, vllm_check, vllm_features_check
 from dflash.io import unused_path
 
 
 CHECKS = {"vllm": (vllm_check, "vllm_python", "vllm", "layer_ids"),
           "vllm_features": (vllm_features_check, "vllm_python", "vllm-features", "layer_ids"),
-          "fla": (fla_check, "fla_python", "fla", "backend")}
+          "fla": (fla_check, "fla_python", "fla", "backend"),
+          "conv": (conv_check, "fla_python", "conv", "conv")}
 """name: (module, the argument naming its venv's python, its folder under build/engines, the --break it takes)."""
 
 
@@ -32,9 +34,10 @@ def main() -> None:
     parser.add_argument("--fla-python", required=True, help="python of the fla venv")
     parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-cpu<cores>-engines.json)")
     parser.add_argument("--only", choices=list(CHECKS), help="run one check")
-    parser.add_argument("--break", dest="broken", choices=["layer_ids", "backend"],
+    parser.add_argument("--break", dest="broken", choices=["layer_ids", "backend", "conv"],
                         help="a deliberate break: layer_ids (vLLM is handed shifted target_layer_ids, and shifted "
-                             "layer ids to extract) or backend (the fla side reports the fallback's kernels)")
+                             "layer ids to extract), backend (the fla side reports the fallback's kernels) or conv "
+                             "(DFlash 2's Triton convolution ignores block starts)")
     args = parser.parse_args()
     from bench.run import machine
 

@@ -91,6 +91,10 @@ class TrainConfig:
     """Packed-block attention: auto (flex on CUDA, sdpa on CPU), flex or sdpa."""
     compile: bool = False
     """torch.compile the drafter."""
+    conv_kernel: str = "auto"
+    """DFlash 2's grouped dynamic convolution in training: torch (the path exports run), triton (two fused kernels,
+    dflash/drafter/conv_kernel.py: CUDA with triton installed, a power-of-two conv_group_size), or auto (triton
+    where it can run, else torch). The run logs and records the choice; DFlash drafters have no convolution."""
     distributed: str = "ddp"
     """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
     gradient_checkpointing: Any = False
@@ -110,6 +114,7 @@ class TrainConfig:
         one_of("train.mode", self.mode, {"offline", "online"})
         one_of("train.mixed_precision", self.mixed_precision, {"auto", "no", "bf16"})
         one_of("train.attention", self.attention, {"auto", "flex", "sdpa"})
+        one_of("train.conv_kernel", self.conv_kernel, {"auto", "torch", "triton"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
         one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
         if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):

@@ -60,6 +60,43 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
     return drafter
 
 
+def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device) -> str:
+    """DFlash 2's convolutions in `drafter` run through `setting` (train.conv_kernel): torch, triton (refused, with
+    the reason, where the kernels cannot run) or auto (triton where they can, else torch). Returns the kernel now in
+    use; a drafter without convolutions (DFlash) keeps the setting as given."""
+    convs = [m for m in drafter.modules() if isinstance(m, dflash2.GroupedDynamicConv)]
+    if not convs or setting == "torch":
+        return setting
+    why_not = _conv_kernel_blocker(convs[0].group_size, device)
+    if setting == "triton" and why_not:
+        raise ConfigError(f"train.conv_kernel=triton cannot run here: {why_not}; set train.conv_kernel=torch "
+                          f"(or auto)")
+    if why_not:
+        log.info("train.conv_kernel=auto: torch (%s)", why_not)
+        return "torch"
+    from dflash.drafter import conv_kernel
+
+    for conv in convs:
+        conv.conv = conv_kernel.grouped_dynamic_conv
+    log.info("train.conv_kernel=%s: DFlash 2's convolutions run as Triton kernels on %s", setting, device)
+    return "triton"
+
+
+def _conv_kernel_blocker(group_size: int, device: torch.device) -> str | None:
+    """Why the Triton convolution cannot run for this drafter on `device`, or None. Triton's interpreter
+    (TRITON_INTERPRET=1) runs it on the CPU, as the engines check does."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (it comes with torch's CUDA builds)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the kernels run on CUDA and the drafter trains on {device.type}"
+    if group_size & (group_size - 1):
+        return f"conv_group_size={group_size} is not a power of two"
+    return None
+
+
 def base_value(config, name: str, default=None):
     """config.<name>, or where transformers keeps per-layer values of it (Gemma 4's full-attention layers have
     their own head width and key/value heads, and reading the global one raises) the value the other layers

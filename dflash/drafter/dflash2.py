@@ -101,15 +101,16 @@ class GroupedDynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(identity_kernel(kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         nn.init.zeros_(self.kernel_projection.weight)
+        self.conv = grouped_dynamic_conv  # training may put a fused kernel of the same signature here
 
     def prepare(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, q, H] -> (x convolved before the sublayer, the taps `finish` applies after it)."""
         taps = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
-        return (grouped_dynamic_conv(x, self.base_kernel[0], taps[..., 0, :, :], self.group_size, block_len),
+        return (self.conv(x, self.base_kernel[0], taps[..., 0, :, :], self.group_size, block_len),
                 taps[..., 1, :, :])
 
     def finish(self, y: torch.Tensor, taps: torch.Tensor, block_len: int) -> torch.Tensor:
-        return grouped_dynamic_conv(y, self.base_kernel[1], taps, self.group_size, block_len)
+        return self.conv(y, self.base_kernel[1], taps, self.group_size, block_len)
 
 
 def identity_kernel(kernel_size: int, hidden_size: int) -> torch.Tensor:

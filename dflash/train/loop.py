@@ -22,7 +22,7 @@ from dflash.config import JobConfig
 from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
-from dflash.drafter.build import build_drafter, load_drafter
+from dflash.drafter.build import build_drafter, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
@@ -112,6 +112,8 @@ def train(job: JobConfig) -> Path:
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
     state = TrainState(total_steps=total)
     m = prepare_model(job, acc, drafter, total, resumed, state)
+    if drafter.kind == "dflash2" and acc.is_main_process:  # which convolution this process trained with
+        record_run(run, conv_kernel=job.train.conv_kernel)
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
@@ -216,6 +218,7 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     # which transformers' version-renamed enable methods also set
     if job.train.gradient_checkpointing is True:
         drafter.gradient_checkpointing = True
+    job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device)  # recorded as resolved
     model = torch.compile(drafter) if job.train.compile else drafter
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     # train_state/weights_fp32.safetensors is the float32 copy of the weights (loaded before prepare), so

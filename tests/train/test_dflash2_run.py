@@ -41,6 +41,7 @@ def test_a_dflash2_run_trains_both_parts_and_evaluates_its_selector(workdir):
         assert not torch.equal(first[name], last[name]), name
     config = json.loads((ckpts[-1][1] / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 16
+    assert json.loads((run / "run.json").read_text())["conv_kernel"] == "torch"  # train.conv_kernel=auto on a CPU
     summary = json.loads((run / "eval" / "step-000012" / "summary.json").read_text())["metrics"]
     for key in ("eval/tau", "eval/tau_unary", "eval/tau_oracle", "eval/ddtree@4", "eval/ddtree_pair@4",
                 "eval/acc@1", "eval/unary_acc@1"):
