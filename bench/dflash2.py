@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from bench.measure import median, time_call
+from bench.measure import alternating
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
@@ -60,18 +60,6 @@ def _pair(shape: dict, device):
     return one.to(device), two.to(device), embed.to(device), head.to(device)
 
 
-def _alternating(fns: dict, rounds: int, per_round: int = 3) -> dict:
-    """Median seconds of each fn over `rounds` rounds; in a round each fn runs per_round times in a row and its
-    first call after the switch is not counted (a step right after the other model's pays for the allocator's
-    page faults: timed one call each in turn, the same DFlash step measured 1.56 s against 2.0 s in a row)."""
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            fn()
-            times[k] += [time_call(fn) for _ in range(per_round)]
-    return {k: median(v) for k, v in times.items()}
-
-
 def _train_step(drafter, embed, head, feats, blocks, total_w, optimizer, gradient="detach_unary"):
     def step():
         hidden = draft_packed(drafter, embed, feats, blocks)
@@ -99,7 +87,7 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
     steps = {k: _train_step(d, embed, head, feats, blocks, total_w, torch.optim.AdamW(d.parameters(), lr=1e-4), g)
              for k, d, g in (("dflash", one, "detach_unary"), ("dflash2", two, "detach_unary"),
                              ("dflash2_coupled", coupled, "coupled"))}
-    train = _alternating(steps, 2 if quick else 3)
+    train = alternating(steps, 2 if quick else 3)
     from torch.utils.flop_counter import FlopCounterMode
 
     flops = {}
@@ -132,7 +120,7 @@ def shape_costs(name: str, shape: dict, quick: bool, device) -> dict:
         cand, first, table = (t[0] for t in selector_tables(two.candidate_selector, hidden, logits, anchor))
         return walk_path(cand, first, table)
 
-    infer = _alternating({"dflash": lambda: draft(one), "dflash2": lambda: draft(two),
+    infer = alternating({"dflash": lambda: draft(one), "dflash2": lambda: draft(two),
                           "dflash2_with_walk": draft_and_walk, "walk": walk_only}, 3, 10 if quick else 20)
     params = {k: sum(p.numel() for p in d.parameters()) for k, d in (("dflash", one), ("dflash2", two))}
     return {

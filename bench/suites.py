@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from bench import dflash2, gpu
+from bench import dflash2, gpu, head_loss
 from bench.measure import matmul_call, paired_times, timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
@@ -337,7 +337,7 @@ def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
 SUITES = {"train_step": train_step, "extraction": extraction, "bytes_per_token": bytes_per_token,
           "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live, "feature_storage": feature_storage,
           "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels,
-          "dflash2": dflash2.dflash2_costs}
+          "dflash2": dflash2.dflash2_costs, "head_loss": head_loss.head_loss_costs}
 
 GOALS = {
     "train_packed_over_loop@512": (">=", 10.0),
@@ -349,6 +349,7 @@ GOALS = {
     "dflash2_train_step_over_dflash": ("<=", 1.10),
     "dflash2_coupled_step_over_detached": ("<=", 1.10),
     "dflash2_selector_walk_over_draft_forward": ("<", 0.05),
+    "head_loss_recompute_over_fused": (">=", 1.3),  # 3 head matmuls and 2 softmaxes a row against 2 and 1: 1.5
 }
 
 
@@ -378,6 +379,8 @@ def headline(b: dict) -> dict:
         h["dflash2_train_flops_over_dflash"] = last["train_step_flops_ratio"]
         h["dflash2_draft_forward_over_dflash"] = last["draft_forward_ratio"]
         h["dflash2_selector_walk_over_draft_forward"] = last["selector_walk_over_draft_forward"]
+    if "head_loss" in b:
+        h["head_loss_recompute_over_fused"] = b["head_loss"]["recompute_over_fused"]
     if "feature_storage" in b and "skipped" not in b["feature_storage"]:
         h["fp8_minus_bf16_heldout_tau"] = b["feature_storage"]["fp8_tau_minus_bf16"]
     return h

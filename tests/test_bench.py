@@ -63,3 +63,14 @@ def test_a_second_run_of_the_day_goes_beside_the_first(tmp_path, monkeypatch):
     run.main(["--quick", "--only", "bytes_per_token"])
     assert {p.name for p in tmp_path.glob("*.json")} == {written[0].name, written[0].name.replace(".json", "-2.json")}
     assert written[0].read_text() == before and first["benchmarks"]["bytes_per_token"]
+
+
+def test_the_head_loss_bench_times_the_fused_ce_beside_the_recompute_on_the_same_numbers():
+    """bench --only head_loss: the fused chunked CE and the recomputed chunks side by side, the same loss and
+    gradient (quick sizes: the figures, not their values)."""
+    from bench import head_loss
+
+    out = head_loss.head_loss_costs(quick=True, device=torch.device("cpu"))
+    assert out["loss_rel_diff"] < 1e-6 and out["grad_rel_diff"] < 1e-5
+    assert out["chunk_logits"] < out["shape"]["rows"] * out["shape"]["vocab"]  # chunked: the two paths differ
+    assert suites.headline({"head_loss": out})["head_loss_recompute_over_fused"] == out["recompute_over_fused"] > 0

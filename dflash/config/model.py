@@ -232,8 +232,13 @@ class LossConfig:
     selector_dropout: float = 0.0
     """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
     chunk_logits: int = 134217728
-    """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks,
-    recomputed in backward, so [anchors x block x vocab] never exists whole (0 = never chunk)."""
+    """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks, so
+    [anchors x block x vocab] never exists whole (0 = never chunk)."""
+    fused_ce: bool = True
+    """Chunked decay_ce without DFlash 2's selector: each chunk's gradient to the hidden states is made in the
+    forward, from the logits made once (dflash/drafter/fused_ce.py); false = each chunk is recomputed in backward
+    (activation checkpointing: the head's matmul and softmax twice). The selector and the other objectives always
+    recompute."""
 
     def __post_init__(self) -> None:
         one_of("loss.objective", self.objective, {"decay_ce", "dpace", *SOFT_OBJECTIVES})

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.drafter.fused_ce import fused_head_ce
 from dflash.drafter.model import Scales
 from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 
@@ -88,12 +89,13 @@ def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_
 def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 row_weight: torch.Tensor, chunk_logits: int = 0, selector=None, prev: torch.Tensor | None = None,
                 sel_weight: torch.Tensor | None = None, scales=None, gold: torch.Tensor | None = None,
-                options: SelectorOptions = SelectorOptions()) -> tuple:
+                options: SelectorOptions = SelectorOptions(), fused: bool = True) -> tuple:
     """Sum of row_weight * CE(lm_head(hidden), labels) and the argmax predictions (logits: `head_logits`).
 
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
-    logits are made chunk by chunk of rows and recomputed in backward (activation
-    checkpointing), so peak memory holds one chunk's logits instead of N x vocab; below it
+    logits are made chunk by chunk of rows, so peak memory holds one chunk's logits instead of N x vocab: with
+    `fused` (loss.fused_ce) and no selector, each chunk's gradient is made in the forward
+    (dflash.drafter.fused_ce); else the chunks are recomputed in backward (activation checkpointing). Below it
     they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight,
     gold [N], options: `selector_ce`) also the selector's weighted CE sum, its choices [N], the oracle [N] and the
     rows it counts [N] from the same logits.
@@ -103,6 +105,9 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     if hidden.shape[0] <= chunk_rows:
         return _chunk_ce(hidden, lm_head_weight, labels, row_weight, prev=prev, sel_weight=sel_weight, gold=gold,
                          **sel, scales=scales)
+    if fused and selector is None and not lm_head_weight.requires_grad:
+        return fused_head_ce(hidden, lm_head_weight, labels, row_weight, chunk_rows,
+                             lambda h, w: head_logits(h, w, scales))
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
@@ -164,7 +169,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
                 target_topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 selector=None, objective: str | None = None, temperature: float = 1.0, scales=None,
                 selector_options: SelectorOptions = SelectorOptions(),
-                selector_labels: torch.Tensor | None = None) -> LossTerms:
+                selector_labels: torch.Tensor | None = None, fused_ce: bool = True) -> LossTerms:
     """The DFlash loss terms over packed blocks.
 
     hidden: [..., B, H] drafter outputs; labels/label_mask: [..., B]. Only rows with a label
@@ -193,6 +198,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     trained (dflash.drafter.selector_loss); selector_labels: [N] the tokens its CE trains towards at the labelled
     rows (None = the labels).
     scales: the drafter's Scales (its target's output multiplier and softcap on every logit; `head_logits`).
+    fused_ce: chunked decay CE without a selector makes each chunk's gradient in the forward (`weighted_ce`).
     """
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     rows = label_rows(label_mask) if rows is None else rows
@@ -205,7 +211,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
                "options": selector_options}
     if weighting == "decay" and objective == "ce":  # the paper's loss, unchanged
         out = weighted_ce(flat_h, lm_head_weight, flat_y, decay[rows], chunk_logits,
-                          **({**sel, "sel_weight": decay[rows]} if sel else {}), scales=scales)
+                          **({**sel, "sel_weight": decay[rows]} if sel else {}), scales=scales, fused=fused_ce)
         terms = LossTerms(out[0], decay.sum(), _scatter_predictions(labels, rows, out[1]))
         if sel:
             _selector_terms(terms, labels, rows, decay, out[2], *out[3:], selector_options)

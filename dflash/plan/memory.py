@@ -241,7 +241,8 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     t["activations, no checkpointing"] = outer + s.layers * per_layer - q * H * 4
     t["activations, checkpointing"] = outer + s.layers * q * H * 4 + c * H * 4
     t["recomputed layer (checkpointing)"] = per_layer - q * H * 4
-    # a loss chunk in backward: its float32 log-softmax (recomputed when chunked), its gradient, the logits'
+    # a loss chunk: its float32 log-softmax, its gradient, the logits' (when chunked, made in the forward with
+    # loss.fused_ce, else recomputed in backward: measured within 2% of each other on test_plan.py's chunked shapes)
     t["loss logits buffer"] = chunk_rows * V * (12 if chunk_rows < rows else 8)
     # DFlash 2: the codebooks' dense gradients as the embedding backward makes them, before accumulation
     t["loss logits buffer"] += 2 * V * s.selector_rank * 4

@@ -168,7 +168,8 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                 if target_labels:
                     sel["selector_labels"] = target_argmax(batch, logits, blocks, rows, dev)
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
-                                    job.loss.chunk_logits, rows=rows, scales=m.drafter.scales, **sel, **options)
+                                    job.loss.chunk_logits, rows=rows, scales=m.drafter.scales,
+                                    fused_ce=job.loss.fused_ce, **sel, **options)
                 loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0
                 if selector is not None and not whole_step:
                     selector_mean = terms.selector_weight_sum.clamp_min(1e-12)
