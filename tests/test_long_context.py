@@ -44,8 +44,9 @@ def test_a_4k_token_step_peaks_within_its_plan_and_holds_nothing_l_by_l(tiny_tar
 
 
 def test_sdpa_chunk_mask_bytes_are_those_of_the_real_masks():
-    """The plan's 'sdpa chunk masks (bool)' term: the bool masks packed_attention_masks keeps through the step,
-    one set per layer type (at 32k tokens and 128 anchors they were the 11% the plan fell short by)."""
+    """The plan's 'sdpa chunk masks' term: the masks packed_attention_masks keeps through the step, one set per kind
+    of layer (at 32k tokens and 128 anchors they were the 11% the plan fell short by): per chunk a float32 context
+    mask and a flag per query, a bool [B, B] per block."""
     job = plan.compose(STEP + ["train.num_anchors=512", "train.batch_size=1"])
     _, shape, setup = plan.build(job)
     n, size = setup.num_anchors, shape.block_size
@@ -53,9 +54,10 @@ def test_sdpa_chunk_mask_bytes_are_those_of_the_real_masks():
     blocks = pack_blocks(torch.zeros(1, L, dtype=torch.long), torch.ones(1, L, dtype=torch.bool), torch.tensor([L]),
                          [anchors], size, 0)
     masks = packed_attention_masks(blocks, ["full_attention", "sliding_attention"], 512, "sdpa")
-    held = sum(chunk.mask.numel() for m in masks.values() for chunk in m.chunks)
-    assert plan.terms(shape, setup)["sdpa chunk masks (bool)"] == held
-    assert held < 2 * n * size * L  # linear in the context: [n * B, up to L] per layer type
+    held = sum(t.numel() * t.element_size() for m in masks.values() for t in
+               [m.block_mask, *(x for c in m.chunks if c.ctx_len for x in (c.context_mask, c.context_empty))])
+    assert plan.terms(shape, setup)["sdpa chunk masks"] == held
+    assert held < 2 * 4 * n * size * L  # linear in the context: [n * B, up to L] float32 per layer type
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_sliding"])

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.drafter.packed_attention import chunked_mask
+
 try:
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
@@ -129,32 +131,6 @@ def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: 
     return mask_mod
 
 
-@dataclass
-class Chunk:
-    """Queries [q_start, q_end) attend to context keys [0, ctx_len) and the keys of their own
-    blocks; `mask` [b, 1, q, ctx_len + q] is the packed rule restricted to those keys."""
-
-    q_start: int
-    q_end: int
-    ctx_len: int
-    mask: torch.Tensor
-
-
-@dataclass
-class ChunkedMask:
-    """The dense (SDPA) form of the packed rule, split into chunks of blocks sorted by anchor.
-
-    Dense attention over all packed keys spends most of its work on masked entries: every
-    block would score every other block's tokens and the whole context. A chunk of blocks
-    needs only the context up to its largest anchor and its own block tokens, so the same
-    result costs a fraction of the work and memory.
-    """
-
-    chunks: list[Chunk]
-    ctx_len: int
-    """Packed context length: keys [0, ctx_len) are context, the rest are block tokens."""
-
-
 FLEX_TILE = 128
 """Side of a BlockMask tile (flex attention's default BLOCK_SIZE): the mask lists, per tile of 128
 queries, the tiles of 128 keys holding a visible entry, and apart those where every entry is visible."""
@@ -241,13 +217,12 @@ BLOCKS_PER_CHUNK_TOKENS = 256  # queries per chunk: fewer waste keys, more calls
 
 
 def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None, backend: str) -> dict:
-    """Masks for the packed forward, one per kind of layer: a ChunkedMask (sdpa) or a BlockMask (flex).
+    """Masks for the packed forward, one per kind of layer: a ChunkedMask (sdpa: dflash.drafter.packed_attention)
+    or a BlockMask (flex).
 
     kinds: the layers' attention rules (dflash.drafter.model.AttentionRule: causal, window; `window` unused), or
     their layer types (full_attention; sliding_attention: causal with `window`). Keyed as given."""
-    b, n = blocks.anchors.shape
     B, L = blocks.block_size, blocks.ctx_len
-    dev = blocks.anchors.device
     masks = {}
     for kind in dict.fromkeys(kinds):
         if isinstance(kind, str):
@@ -258,17 +233,7 @@ def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None
             masks[kind] = packed_block_mask(blocks.anchors, L, B, kind_window, causal=causal)
             continue
         mod = make_mask_mod(blocks.anchors, L, B, kind_window, causal)
-        per_chunk = max(1, BLOCKS_PER_CHUNK_TOKENS // B)
-        chunks = []
-        for first in range(0, n, per_chunk):
-            last = min(n, first + per_chunk)
-            ctx = int(blocks.anchors[:, first:last].max()) if blocks.valid[:, first:last].any() else 0
-            q_idx = torch.arange(first * B, last * B, device=dev)
-            kv_idx = torch.cat([torch.arange(ctx, device=dev), L + q_idx])
-            mask = mod(torch.arange(b, device=dev)[:, None, None, None], 0, q_idx[None, None, :, None],
-                       kv_idx[None, None, None, :])
-            chunks.append(Chunk(first * B, last * B, ctx, mask))
-        masks[kind] = ChunkedMask(chunks, L)
+        masks[kind] = chunked_mask(mod, blocks.anchors * blocks.valid, L, B, max(1, BLOCKS_PER_CHUNK_TOKENS // B))
     return masks
 
 

@@ -223,7 +223,7 @@ class DFlashAttention(nn.Module):
 
         cos/sin: [b, c + q, head_dim] for the new context then the block.
         mask: None (every key visible), a bool tensor [b, 1, q, keys], a flex BlockMask, or a
-            chunked dense mask (see dflash.drafter.blocks.ChunkedMask) for packed blocks.
+            chunked dense mask (dflash.drafter.packed_attention.ChunkedMask) for packed blocks.
         """
         b, q_len, _ = hidden.shape
         c_len = context.shape[1]
@@ -243,31 +243,11 @@ class DFlashAttention(nn.Module):
             cache.values[self.layer_idx] = v[:, :, : v.shape[2] - q_len]
         if BlockMask is not None and isinstance(mask, BlockMask):
             out = _flex(q, k, v, mask, self.scaling)
-        elif hasattr(mask, "chunks"):  # packed blocks, dense path: attend chunk by chunk
-            out = self._chunked(q, k, v, mask)
+        elif hasattr(mask, "attend"):  # packed blocks, dense path: the mask brings its attention (training only)
+            out = mask.attend(q, k, v, self.scaling)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-    def _chunked(self, q, k, v, mask):
-        """Each chunk of queries against the context keys it can see plus its own block keys.
-
-        Keys and values are cut once with split (its backward is one concatenation): slicing them per
-        chunk made every slice's backward write a zero gradient of the full key length, which cost more
-        than the attention itself.
-        """
-        ends = sorted({ch.ctx_len for ch in mask.chunks} - {0})
-        ctx_sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)] + [mask.ctx_len - (ends[-1] if ends else 0)]
-        q_sizes = [ch.q_end - ch.q_start for ch in mask.chunks]
-        k_parts, v_parts = k.split(ctx_sizes + q_sizes, dim=2), v.split(ctx_sizes + q_sizes, dim=2)
-        outs = []
-        for i, (ch, q_chunk) in enumerate(zip(mask.chunks, q.split(q_sizes, dim=2))):
-            n_ctx = ends.index(ch.ctx_len) + 1 if ch.ctx_len else 0
-            keys = torch.cat([*k_parts[:n_ctx], k_parts[len(ctx_sizes) + i]], 2)
-            vals = torch.cat([*v_parts[:n_ctx], v_parts[len(ctx_sizes) + i]], 2)
-            outs.append(F.scaled_dot_product_attention(q_chunk, keys, vals, attn_mask=ch.mask, scale=self.scaling,
-                                                       enable_gqa=True))
-        return torch.cat(outs, dim=2)
 
 
 class DFlashDecoderLayer(nn.Module):

@@ -116,18 +116,19 @@ class Setup:
 
 
 def sdpa_chunks(s: Shape, u: Setup) -> tuple[int, int]:
-    """(keys, mask entries) summed over the sdpa path's chunks of blocks (packed_attention_masks), the
-    anchors spread evenly over [0, ctx_len - 2]."""
+    """(context keys, bytes of the masks kept) summed over the sdpa path's chunks of blocks (dflash.drafter.
+    packed_attention.chunked_mask), the anchors spread evenly over [0, ctx_len - 2], for one sequence and one kind
+    of layer: per chunk an additive float32 context mask and a flag per query, and a bool [B, B] per block."""
     from dflash.drafter.blocks import BLOCKS_PER_CHUNK_TOKENS
 
     n, size = u.num_anchors, s.block_size
-    per, keys, entries = max(1, BLOCKS_PER_CHUNK_TOKENS // size), 0, 0
+    per, keys, held = max(1, BLOCKS_PER_CHUNK_TOKENS // size), 0, n * size * size
     for first in range(0, n, per):
         last = min(n, first + per)
         ctx = round((last - 1) * (u.ctx_len - 2) / max(n - 1, 1))  # the chunk's largest anchor
-        keys += ctx + (last - first) * size
-        entries += (last - first) * size * (ctx + (last - first) * size)
-    return keys, entries
+        keys += ctx
+        held += (last - first) * size * (4 * ctx + 1) if ctx else 0
+    return keys, held
 
 
 DENSE_MASK_BYTES = {"full_attention": 3, "sliding_attention": 20}
@@ -174,10 +175,10 @@ def layer_activations(s: Shape, u: Setup) -> float:
         # dtype), and around the sublayer its output (attention's o_proj, the MLP's down_proj), which nothing else
         # keeps; the normed inputs the convolutions keep are the norms' own outputs
         total += 2 * q * s.hidden * (2 * a + (4 + a) / 8)
-    if u.backend == "flex":
-        return total + k * hkv * (4 + 3 * a)  # k_norm's input, normalised and rotated k; v
-    keys, entries = sdpa_chunks(s, u)  # sdpa: keys and values cut per chunk of blocks, each with a float mask
-    return total + k * hkv * (4 + a) + b * (keys * hkv * 2 * a + entries * a)
+    total += k * hkv * (4 + 3 * a)  # k_norm's input, normalised and rotated k; v
+    if u.backend == "sdpa" and a < 4:  # the split attention's inputs in the autocast dtype (rotary leaves q, k float32)
+        total += (q * hq + k * hkv) * a
+    return total
 
 
 def state_terms(s: Shape, u: Setup) -> dict[str, float]:
@@ -213,9 +214,9 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     t = state_terms(s, u)
     t["feature batch (fp32)"] = c * s.target_layers * H * 4 * (2 if u.noise else 1)
     t["flex block masks"] = block_mask_bytes(s, u)["kept"] if u.backend == "flex" else 0
-    # the sdpa path's ChunkedMask: a bool per entry of every chunk, for each layer type, built before the forward
-    # and held (the float masks' conversions keep them for backward) until the backward is done
-    t["sdpa chunk masks (bool)"] = b * sdpa_chunks(s, u)[1] * len(s.layer_types) if u.backend == "sdpa" else 0
+    # the sdpa path's ChunkedMask for each kind of layer, built before the forward and held until the backward is done
+    kinds = len(set(s.layer_types))
+    t["sdpa chunk masks"] = b * sdpa_chunks(s, u)[1] * kinds if u.backend == "sdpa" else 0
     # online, before the drafter's forward: the captured layers' outputs in target.dtype and one target
     # layer's transients (its MLP's gate, up and product; the residual, norm and attention outputs)
     f = u.frozen
@@ -275,9 +276,9 @@ def phases(s: Shape, u: Setup) -> dict[str, float]:
     acts = t["activations, checkpointing" if u.checkpointing else "activations, no checkpointing"]
     layer = t["recomputed layer (checkpointing)"] if u.checkpointing else 0
     # held through forward and backward: the compute-dtype weight copies, FSDP's gathered units, earlier
-    # micro-batches' gradients, the sdpa path's bool masks
+    # micro-batches' gradients, the sdpa path's masks
     held = t["FSDP gathered parameters (fp32)"] + t["autocast weight copies (bf16)"]
-    held += t["gradients kept between micro-batches"] + t["sdpa chunk masks (bool)"]
+    held += t["gradients kept between micro-batches"] + t["sdpa chunk masks"]
     working = max(t["layer forward working set"], t["layer backward working set"])
     root = s.root_params * 4 if u.sharded else 0  # FSDP: the root's gathered weights and its unsharded gradients
     return {

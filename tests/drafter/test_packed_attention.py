@@ -1,0 +1,72 @@
+"""The dense path's packed attention (dflash.drafter.packed_attention): the context part by flash attention per
+chunk and the own-block part apart, merged by log-sum-exp, equal to one SDPA call over every packed key under
+the full mask of make_mask_mod, forward and backward, for each attention rule."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.drafter.blocks import make_mask_mod, pack_blocks, packed_attention_masks
+from dflash.drafter.model import AttentionRule
+
+B, H, HKV, D = 4, 4, 2, 8
+
+
+def packed(anchors: list[list[int]], L: int = 30):
+    ids = torch.zeros(len(anchors), L, dtype=torch.long)
+    lengths = torch.tensor([L] * len(anchors))
+    return pack_blocks(ids, torch.ones(len(anchors), L, dtype=torch.bool), lengths,
+                       [torch.tensor(a) for a in anchors], B, 0)
+
+
+def reference(q, k, v, blocks, window, causal):
+    """One SDPA call: every query against every packed key, the rule as a dense bool mask."""
+    b, n = blocks.anchors.shape
+    mod = make_mask_mod(blocks.anchors, blocks.ctx_len, B, window, causal)
+    Q, K = n * B, blocks.ctx_len + n * B
+    mask = mod(torch.arange(b)[:, None, None, None], 0, torch.arange(Q)[None, None, :, None],
+               torch.arange(K)[None, None, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+
+
+RULES = {"full": (None, False), "sliding causal": (6, True), "sliding both ways": (6, False)}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("anchors", [[[0, 3, 9, 17, 25]], [[2, 5, 11, 19, 26], [1, 7, 8]]],
+                         ids=["an anchor at 0 (no context)", "two sequences, padding blocks"])
+def test_equals_one_sdpa_call_over_every_packed_key(rule, anchors):
+    window, causal = RULES[rule]
+    blocks = packed(anchors)
+    b, n = blocks.anchors.shape
+    Q, K = n * B, blocks.ctx_len + n * B
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, length, D, generator=g, requires_grad=True)
+               for h, length in ((H, Q), (HKV, K), (HKV, K)))
+    grad = torch.randn(b, H, Q, D, generator=g)
+    valid = blocks.valid.repeat_interleave(B, 1)[:, None, :, None]  # a padding block's output is never read
+    rule = AttentionRule(causal, window)
+    chunked = packed_attention_masks(blocks, [rule], None, "sdpa")[rule]
+    for attend in (lambda: chunked.attend(q, k, v, D**-0.5), lambda: chunked._dense(q, k, v, D**-0.5)):
+        ours, ref = attend(), reference(q, k, v, blocks, window, causal)
+        assert (ours - ref).mul(valid).abs().max() < 1e-5
+        gq, gk, gv = torch.autograd.grad(ours, (q, k, v), grad * valid)
+        rq, rk, rv = torch.autograd.grad(ref, (q, k, v), grad * valid)
+        for a, r in ((gq, rq), (gk, rk), (gv, rv)):
+            assert (a - r).abs().max() < 1e-5
+
+
+def test_many_chunks_in_bfloat16_stay_close_to_float32():
+    """Four chunks of blocks (BLOCKS_PER_CHUNK_TOKENS queries each), bf16 inputs: within bf16 rounding of the
+    float32 result."""
+    anchors = [list(range(1, 300, 4))[:64 * 4 // B]]
+    blocks = packed(anchors, L=320)
+    chunked = packed_attention_masks(blocks, ["full_attention"], None, "sdpa")["full_attention"]
+    assert len(chunked.chunks) == 1 + (len(anchors[0]) * B - 1) // 256
+    n = blocks.anchors.shape[1]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, length, D, generator=g) for h, length in ((H, n * B), (HKV, 320 + n * B),
+                                                                           (HKV, 320 + n * B)))
+    exact = chunked.attend(q, k, v, D**-0.5)
+    half = chunked.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), D**-0.5)
+    assert half.dtype == torch.bfloat16 and (half.float() - exact).abs().max() < 3e-2
