@@ -71,6 +71,7 @@ def test_the_head_loss_bench_times_the_fused_ce_beside_the_recompute_on_the_same
     from bench import head_loss
 
     out = head_loss.head_loss_costs(quick=True, device=torch.device("cpu"))
-    assert out["loss_rel_diff"] < 1e-6 and out["grad_rel_diff"] < 1e-5
+    for kind in ("dflash", "dflash2"):
+        assert out[kind]["loss_rel_diff"] < 1e-6 and out[kind]["grad_rel_diff"] < 1e-4, out[kind]
     assert out["chunk_logits"] < out["shape"]["rows"] * out["shape"]["vocab"]  # chunked: the two paths differ
     assert suites.headline({"head_loss": out})["head_loss_recompute_over_fused"] == out["recompute_over_fused"] > 0

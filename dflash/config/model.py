@@ -235,10 +235,10 @@ class LossConfig:
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks, so
     [anchors x block x vocab] never exists whole (0 = never chunk)."""
     fused_ce: bool = True
-    """Chunked decay_ce without DFlash 2's selector: each chunk's gradient to the hidden states is made in the
-    forward, from the logits made once (dflash/drafter/fused_ce.py); false = each chunk is recomputed in backward
-    (activation checkpointing: the head's matmul and softmax twice). The selector and the other objectives always
-    recompute."""
+    """Chunked decay_ce (and DFlash 2's selector CE): each chunk's gradients are made in the forward, from the
+    logits made once (dflash/drafter/fused_ce.py); false = each chunk is recomputed in backward (activation
+    checkpointing: the head's matmul and softmax twice). The soft objectives always recompute, and so does the
+    selector under FSDP."""
 
     def __post_init__(self) -> None:
         one_of("loss.objective", self.objective, {"decay_ce", "dpace", *SOFT_OBJECTIVES})

@@ -14,13 +14,21 @@ upstream gradient, the way per-slot weights would go through it; torch 2.13's F.
 classes, not rows, and the GPU machines run torch 2.11. Our slot weights (decay, or any weight the caller hands
 in) and the target's softcap and output multiplier (`Scales`) go through this one.
 
-The head must be frozen (the target's lm_head): its weight gets no gradient here. DFlash 2's selector, which
-reads the same logits and trains through them, keeps the checkpointed path.
+DFlash 2 (`FusedHeadSelectorCE`): the selector's K-way CE reads the same chunk's logits. Its gradient is taken in
+the forward too, towards its own parameters, the hidden states (through its projection) and, coupled, the K + 1
+unary scores it read; that last one goes back to the hidden states through the head's K + 1 rows and the output
+scales' derivative, never as a dense [rows, V] gradient. The unary CE and the selector's CE keep their gradients
+apart: the step weighs them by different factors (dflash.train.step), applied in backward.
+
+The head must be frozen (the target's lm_head): its weight gets no gradient here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 
 class FusedHeadCE(torch.autograd.Function):
@@ -65,3 +73,103 @@ def fused_head_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         raise ValueError("fused_head_ce: the head weight requires a gradient; this path trains the hidden states "
                          "only (set loss.fused_ce=false to train the head)")
     return FusedHeadCE.apply(hidden, weight, labels, row_weight, chunk_rows, logits_fn)
+
+
+@dataclass(frozen=True)
+class _Selector:
+    """What FusedHeadSelectorCE needs besides tensors: the selector module, its options, the drafter's output
+    scales (their derivative carries the unary scores' gradient to the hidden states), the chunking."""
+
+    selector: torch.nn.Module
+    options: object
+    scales: object
+    chunk_rows: int
+    logits_fn: object
+
+
+def _scales_derivative(scales, logits: torch.Tensor) -> torch.Tensor | float:
+    """d finish(raw) / d raw at the finished logits (dflash.drafter.model.Scales.finish: a multiplier m, then a
+    softcap c: c tanh(m raw / c)): m (1 - (logits / c)^2), or m without a cap."""
+    m = scales.output_multiplier if scales is not None else 1.0
+    cap = scales.final_logit_softcapping if scales is not None else None
+    return m * (1 - (logits / cap) ** 2) if cap else m
+
+
+class FusedHeadSelectorCE(torch.autograd.Function):
+    """DFlash 2's chunk: the unary decay CE and the selector's CE (dflash.drafter.selector_loss.selector_ce's loss)
+    with every gradient made in the forward. -> (unary CE sum, argmax [N], selector CE sum (weighted by sel_weight),
+    choice [N], oracle [N], counted [N])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, row_weight, prev, sel_weight, gold, how: _Selector, *params):
+        from dflash.drafter.selector_loss import selector_scores
+
+        N, opts = len(labels), how.options
+        want_h = ctx.needs_input_grad[0]
+        grad_unary = torch.zeros_like(hidden) if want_h else None
+        grad_sel = torch.zeros_like(hidden) if want_h else None
+        grad_params = [torch.zeros_like(p) for p in params]
+        ce = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        sel_ce = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        pred, choice, oracle = (torch.empty_like(labels) for _ in range(3))
+        counted = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        for start in range(0, N, how.chunk_rows):
+            part = slice(start, start + how.chunk_rows)
+            h = hidden[part].detach().requires_grad_(want_h)
+            y, w, sw = labels[part], row_weight[part].detach(), sel_weight[part].detach()
+            with torch.enable_grad():
+                logits = how.logits_fn(h, weight)
+            L = logits.detach()
+            logp = torch.log_softmax(L, -1)
+            ce[part] = -logp.gather(-1, y[:, None])[:, 0]
+            pred[part] = L.argmax(-1)
+            # the selector's CE on the same logits, its gradient taken here (the unary scores as a leaf)
+            coupled, stop = opts.gradient == "coupled", opts.gradient == "stop"
+            with torch.enable_grad():
+                h_sel = hidden[part].detach().requires_grad_(want_h and not stop)
+                out = selector_scores(how.selector, h_sel, L, y, prev[part], None if gold is None else gold[part],
+                                      opts, unary_leaf=coupled)
+                sel_sum = (out.terms.ce * sw).sum()
+                leaves = [h_sel] if h_sel.requires_grad else []
+                leaves += [out.unary] if coupled else []
+                found = torch.autograd.grad(sel_sum, [*leaves, *params], allow_unused=True) \
+                    if sel_sum.requires_grad else [None] * (len(leaves) + len(params))
+            for acc, g in zip(grad_params, found[len(leaves):]):
+                if g is not None:
+                    acc += g
+            sel_ce[part], choice[part], oracle[part], counted[part] = (t.detach() for t in out.terms)
+            if want_h:
+                dlogits = logp.exp_().mul_(w[:, None].to(logp.dtype))
+                dlogits[torch.arange(len(y), device=y.device), y] -= w.to(logp.dtype)
+                grad_unary[part] = torch.autograd.grad(logits, h, dlogits)[0]
+                g_sel = found[0].float() if h_sel.requires_grad else torch.zeros(h.shape, device=h.device)
+                if coupled:  # the unary scores' gradient through the head's rows they read, sparsely
+                    g_unary = found[len(leaves) - 1].float() * _scales_derivative(how.scales, L.gather(-1, out.index))
+                    for j in range(out.index.shape[1]):
+                        g_sel += g_unary[:, j, None] * F.embedding(out.index[:, j], weight).float()
+                grad_sel[part] = g_sel.to(hidden.dtype)
+            del logits, logp
+        for t in (pred, choice, oracle, counted):
+            ctx.mark_non_differentiable(t)
+        ctx.save_for_backward(grad_unary, grad_sel, *grad_params)
+        ctx.n_params = len(params)
+        unary_sum = (ce * row_weight.detach().float()).sum()
+        return unary_sum, pred, (sel_ce * sel_weight.detach().float()).sum(), choice, oracle, counted
+
+    @staticmethod
+    def backward(ctx, g_unary, _pred, g_sel, *_):
+        grad_unary, grad_sel, *grad_params = ctx.saved_tensors
+        grad_h = None if grad_unary is None else grad_unary * g_unary.to(grad_unary.dtype) + \
+            grad_sel * g_sel.to(grad_sel.dtype)
+        return (grad_h, None, None, None, None, None, None, None, *(g * g_sel for g in grad_params))
+
+
+def fused_head_selector_ce(hidden, weight, labels, row_weight, chunk_rows: int, logits_fn, selector, prev,
+                           sel_weight, gold, options, scales) -> tuple:
+    """`fused_head_ce` with DFlash 2's selector CE from the same logits (FusedHeadSelectorCE): (unary CE sum,
+    predictions, selector CE sum, choices, oracle, counted), as dflash.drafter.loss.weighted_ce returns them."""
+    if weight.requires_grad:
+        raise ValueError("fused_head_selector_ce: the head weight requires a gradient; set loss.fused_ce=false")
+    params = [p for p in selector.parameters() if p.requires_grad]
+    how = _Selector(selector, options, scales, chunk_rows, logits_fn)
+    return FusedHeadSelectorCE.apply(hidden, weight, labels, row_weight, prev, sel_weight, gold, how, *params)

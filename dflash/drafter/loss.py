@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.drafter.fused_ce import fused_head_ce
+from dflash.drafter.fused_ce import fused_head_ce, fused_head_selector_ce
 from dflash.drafter.model import Scales
 from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 
@@ -94,7 +94,7 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
 
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
     logits are made chunk by chunk of rows, so peak memory holds one chunk's logits instead of N x vocab: with
-    `fused` (loss.fused_ce) and no selector, each chunk's gradient is made in the forward
+    `fused` (loss.fused_ce), each chunk's gradients (the selector's too) are made in the forward
     (dflash.drafter.fused_ce); else the chunks are recomputed in backward (activation checkpointing). Below it
     they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight,
     gold [N], options: `selector_ce`) also the selector's weighted CE sum, its choices [N], the oracle [N] and the
@@ -105,9 +105,12 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     if hidden.shape[0] <= chunk_rows:
         return _chunk_ce(hidden, lm_head_weight, labels, row_weight, prev=prev, sel_weight=sel_weight, gold=gold,
                          **sel, scales=scales)
-    if fused and selector is None and not lm_head_weight.requires_grad:
-        return fused_head_ce(hidden, lm_head_weight, labels, row_weight, chunk_rows,
-                             lambda h, w: head_logits(h, w, scales))
+    if fused and not lm_head_weight.requires_grad:
+        logits_fn = lambda h, w: head_logits(h, w, scales)  # noqa: E731
+        if selector is None:
+            return fused_head_ce(hidden, lm_head_weight, labels, row_weight, chunk_rows, logits_fn)
+        return fused_head_selector_ce(hidden, lm_head_weight, labels, row_weight, chunk_rows, logits_fn, selector,
+                                      prev, sel_weight, gold, options, scales)
     n = len(labels.split(chunk_rows))
     split = lambda t: [None] * n if t is None else t.split(chunk_rows)  # noqa: E731
     parts = []
@@ -198,7 +201,7 @@ def block_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     trained (dflash.drafter.selector_loss); selector_labels: [N] the tokens its CE trains towards at the labelled
     rows (None = the labels).
     scales: the drafter's Scales (its target's output multiplier and softcap on every logit; `head_logits`).
-    fused_ce: chunked decay CE without a selector makes each chunk's gradient in the forward (`weighted_ce`).
+    fused_ce: the chunked decay CE (and the selector's) makes each chunk's gradients in the forward (`weighted_ce`).
     """
     objective = _objective(objective, target_logits is not None or target_topk is not None, temperature)
     rows = label_rows(label_mask) if rows is None else rows

@@ -100,16 +100,44 @@ def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: to
     The returned logits are the input's values: the caller computes its per-slot loss from them, because under
     gradient=coupled they carry the selector's sparse gradient (`_SparseUnary`); otherwise they are the input.
     """
-    gold = labels if gold is None else gold
-    cand = selector.candidates(logits.detach())[1]
-    K = cand.shape[-1]
-    hit = cand == gold[:, None]
-    held = hit.any(-1)
-    both = torch.cat([cand, gold[:, None]], 1)  # the unary top-K, then the gold token
+    both = _candidates(selector, logits.detach(), labels if gold is None else gold)
     if options.gradient == "coupled":
         logits, unary = _SparseUnary.apply(logits, both)
     else:
         unary = logits.detach().gather(-1, both)
+    return logits, _selector_loss(selector, hidden, unary, both, labels, prev, options)
+
+
+class Scored(NamedTuple):
+    """`selector_scores`: the SelectorTerms, the unary scores the loss read [N, K + 1] and their token ids."""
+
+    terms: SelectorTerms
+    unary: torch.Tensor
+    index: torch.Tensor
+
+
+def selector_scores(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
+                    gold: torch.Tensor | None, options: SelectorOptions, unary_leaf: bool) -> Scored:
+    """`selector_ce`'s loss from logits taken as constants (the fused head loss, dflash.drafter.fused_ce): the
+    K + 1 unary scores it reads are gathered, and with `unary_leaf` made a leaf whose gradient the caller takes
+    (gradient=coupled)."""
+    both = _candidates(selector, logits, labels if gold is None else gold)
+    unary = logits.gather(-1, both)
+    if unary_leaf:
+        unary.requires_grad_(True)
+    return Scored(_selector_loss(selector, hidden, unary, both, labels, prev, options), unary, both)
+
+
+def _candidates(selector, logits: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
+    """[N, K + 1]: the unary top-K token ids, then the gold token."""
+    return torch.cat([selector.candidates(logits)[1], gold[:, None]], 1)
+
+
+def _selector_loss(selector, hidden, unary, both, labels, prev, options: SelectorOptions) -> SelectorTerms:
+    K = both.shape[1] - 1
+    cand, gold = both[:, :K], both[:, K]
+    hit = cand == gold[:, None]
+    held = hit.any(-1)
     h = hidden.detach() if options.gradient == "stop" else hidden
     scores = selector.scores(h, unary, both, prev, dropout=options.dropout)
     # the loss's K: the top-K when it holds the gold (its extra column dropped), else the gold in the K-th's place
@@ -121,7 +149,7 @@ def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: to
         ce = torch.where(counted, ce, torch.zeros_like(ce))
     choice = cand.gather(-1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
     oracle = torch.where((cand == labels[:, None]).any(-1), labels, torch.full_like(labels, -1))
-    return logits, SelectorTerms(ce, choice, oracle, counted)
+    return SelectorTerms(ce, choice, oracle, counted)
 
 
 def schedule_weight(step: int, total_steps: int, weight: float, warmup_ratio: float = 0.0,

@@ -32,6 +32,7 @@ from dflash.drafter.loss import block_terms, label_logits
 from dflash.drafter.selector_loss import SelectorOptions, schedule_weight
 from dflash.errors import ConfigError, TrainingError
 from dflash.target.features import target_forward
+from dflash.train.accel import is_fsdp
 from dflash.train.batches import Batch, add_noise, map_tensors
 
 
@@ -147,6 +148,9 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     if soft:  # expected_tau's weight_sum is its blocks with a label: loss.normalize=anchor's normaliser
         options.update(objective=cfg.objective, temperature=cfg.temperature)
     scale = acc.num_processes / total_w.clamp_min(1e-12)  # DDP averages gradients over processes
+    # the fused selector CE hands its parameters' gradients to autograd in backward, from tensors it saw in the
+    # forward: under FSDP2 those are unsharded copies resharded after the forward, so FSDP keeps the recompute
+    fused_ce = cfg.fused_ce and not (selector is not None and is_fsdp(acc))
     window, n_layers = state.window, len(m.drafter.target_layer_ids)
     losses = []  # per micro-batch, on the device: which one was non-finite is found after the check
     for i, batch in enumerate(micro):
@@ -169,7 +173,7 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
                     sel["selector_labels"] = target_argmax(batch, logits, blocks, rows, dev)
                 terms = block_terms(hidden, target.lm_head.weight, blocks.labels, blocks.label_mask, gamma,
                                     job.loss.chunk_logits, rows=rows, scales=m.drafter.scales,
-                                    fused_ce=job.loss.fused_ce, **sel, **options)
+                                    fused_ce=fused_ce, **sel, **options)
                 loss_sum, selector_sum = terms.loss_sum, terms.selector_sum if selector is not None else 0.0
                 if selector is not None and not whole_step:
                     selector_mean = terms.selector_weight_sum.clamp_min(1e-12)

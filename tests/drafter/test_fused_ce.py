@@ -111,3 +111,52 @@ def test_on_cuda_at_the_27b_head_it_equals_the_recomputed_chunks():
     exact = loss_and_grads(hidden, head, labels, weight, 2**27, False)
     assert torch.allclose(fused[0], ref[0], rtol=1e-4) and (fused[1] == ref[1]).float().mean() > 0.999
     assert (fused[2] - exact[2]).abs().max() <= 1.05 * (ref[2] - exact[2]).abs().max()
+
+
+@pytest.mark.parametrize("gradient,gold,dropout,scales", [
+    ("coupled", "inject", 0.0, None), ("coupled", "strict", 0.0, GEMMA), ("detach_unary", "inject", 0.0, None),
+    ("stop", "strict", 0.0, None), ("coupled", "inject", 0.3, GEMMA)])
+def test_dflash2_fused_equals_the_recomputed_chunks(gradient, gold, dropout, scales, monkeypatch):
+    """DFlash 2: the unary CE and the selector's CE with their gradients made in the forward (the coupled unary
+    scores' gradient sent back through the head's K + 1 rows and the softcap's derivative) equal the checkpointed
+    chunks: both sums, the predictions, choices, oracle and counted rows, and the gradients of the hidden states
+    and of every selector parameter, with the two sums weighed by different factors as the training step does.
+    Dropout draws the same masks: one forward each, the same seed."""
+    import dflash.drafter.loss as loss_mod
+    from dflash.drafter.dflash2 import CandidateSelector
+    from dflash.drafter.selector_loss import SelectorOptions
+
+    hidden, head, labels, weight = problem(2)
+    g = torch.Generator().manual_seed(5)
+    prev = torch.randint(0, V, (N,), generator=g)
+    sel_weight = torch.rand(N, generator=g) + 0.2
+    torch.manual_seed(0)
+    selector = CandidateSelector(H, V, rank=6, top_k=5)
+    with torch.no_grad():
+        selector.successor_codebook.normal_(0, 0.5)
+        selector.predecessor_codebook.normal_(0, 0.5)
+    options = SelectorOptions(gradient=gradient, gold=gold, dropout=dropout)
+
+    def run(fused):
+        selector.zero_grad()
+        h = hidden.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        out = weighted_ce(h, head, labels, weight, CHUNK, selector=selector, prev=prev, sel_weight=sel_weight,
+                          scales=scales, options=options, fused=fused)
+        (out[0] * 1.7 + out[2] * 0.3).backward()
+        return out, h.grad, {n: p.grad.clone() for n, p in selector.named_parameters() if p.grad is not None}
+
+    (fo, fh, fp), (ro, rh, rp) = run(True), run(False)
+    assert torch.allclose(fo[0], ro[0], rtol=1e-6) and torch.allclose(fo[2], ro[2], rtol=1e-5)
+    for a, b in zip(fo[1:2] + fo[3:], ro[1:2] + ro[3:]):
+        assert torch.equal(a, b)
+    assert torch.allclose(fh, rh, rtol=1e-4, atol=1e-6), (fh - rh).abs().max()
+    assert sorted(fp) == sorted(rp) and len(fp) == 3  # both codebooks and the projection
+    for name in fp:
+        assert torch.allclose(fp[name], rp[name], rtol=1e-4, atol=1e-6), name
+    rows = []  # the head's logits made: once a row fused, twice checkpointed (forward, then the recompute)
+    monkeypatch.setattr(loss_mod, "head_logits", lambda h, w, s=None: rows.append(len(h)) or head_logits(h, w, s))
+    run(True)
+    fused_rows = sum(rows)
+    run(False)
+    assert fused_rows == N and sum(rows) - fused_rows == 2 * N

@@ -50,17 +50,21 @@ def test_two_micro_batches_equal_one_batch_of_both(workdir, member):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < tol
 
 
-def test_the_fused_chunked_ce_trains_as_the_recomputed_chunks(workdir, monkeypatch):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_fused_chunked_ce_trains_as_the_recomputed_chunks(workdir, monkeypatch, kind):
     """loss.fused_ce (the default) reaches the training step: with the loss in chunks (loss.chunk_logits at 3 rows of
-    the tiny vocabulary), two steps give the losses and weights of loss.fused_ce=false's recomputed chunks."""
+    the tiny vocabulary), two steps give the losses and weights of loss.fused_ce=false's recomputed chunks; for
+    DFlash 2 with the selector's loss (its own weight and normaliser) from the same chunks."""
     import dflash.drafter.loss as loss_mod
 
-    calls, real = [], loss_mod.fused_head_ce
-    monkeypatch.setattr(loss_mod, "fused_head_ce", lambda *a: calls.append(1) or real(*a))
-    common = ("train.max_steps=2", "train.save_every=2", "eval.every=0", "loss.chunk_logits=1000")
-    fused = train(job_for(workdir, "fused-ce", *common))
+    name = "fused_head_ce" if kind == "dflash" else "fused_head_selector_ce"
+    calls, real = [], getattr(loss_mod, name)
+    monkeypatch.setattr(loss_mod, name, lambda *a: calls.append(1) or real(*a))
+    common = ("train.max_steps=2", "train.save_every=2", "eval.every=0", "loss.chunk_logits=1000",
+              f"drafter.kind={kind}", "drafter.selector_rank=8")
+    fused = train(job_for(workdir, f"fused-ce-{kind}", *common))
     ran = len(calls)
-    recomputed = train(job_for(workdir, "recomputed-ce", *common, "loss.fused_ce=false"))
+    recomputed = train(job_for(workdir, f"recomputed-ce-{kind}", *common, "loss.fused_ce=false"))
     assert ran >= 2 and len(calls) == ran  # the training steps' losses went through it, and only with the key on
     assert max(abs(x - y) for x, y in zip(losses(fused), losses(recomputed))) < 1e-6
     wa, wb = weights(fused), weights(recomputed)
