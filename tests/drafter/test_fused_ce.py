@@ -113,10 +113,15 @@ def test_on_cuda_at_the_27b_head_it_equals_the_recomputed_chunks():
     assert (fused[2] - exact[2]).abs().max() <= 1.05 * (ref[2] - exact[2]).abs().max()
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("gradient,gold,dropout,scales", [
     ("coupled", "inject", 0.0, None), ("coupled", "strict", 0.0, GEMMA), ("detach_unary", "inject", 0.0, None),
     ("stop", "strict", 0.0, None), ("coupled", "inject", 0.3, GEMMA)])
-def test_dflash2_fused_equals_the_recomputed_chunks(gradient, gold, dropout, scales, monkeypatch):
+def test_dflash2_fused_equals_the_recomputed_chunks(gradient, gold, dropout, scales, device, monkeypatch):
     """DFlash 2: the unary CE and the selector's CE with their gradients made in the forward (the coupled unary
     scores' gradient sent back through the head's K + 1 rows and the softcap's derivative) equal the checkpointed
     chunks: both sums, the predictions, choices, oracle and counted rows, and the gradients of the hidden states
@@ -126,12 +131,12 @@ def test_dflash2_fused_equals_the_recomputed_chunks(gradient, gold, dropout, sca
     from dflash.drafter.dflash2 import CandidateSelector
     from dflash.drafter.selector_loss import SelectorOptions
 
-    hidden, head, labels, weight = problem(2)
+    hidden, head, labels, weight = (t.to(device) for t in problem(2))
     g = torch.Generator().manual_seed(5)
-    prev = torch.randint(0, V, (N,), generator=g)
-    sel_weight = torch.rand(N, generator=g) + 0.2
+    prev = torch.randint(0, V, (N,), generator=g).to(device)
+    sel_weight = (torch.rand(N, generator=g) + 0.2).to(device)
     torch.manual_seed(0)
-    selector = CandidateSelector(H, V, rank=6, top_k=5)
+    selector = CandidateSelector(H, V, rank=6, top_k=5).to(device)
     with torch.no_grad():
         selector.successor_codebook.normal_(0, 0.5)
         selector.predecessor_codebook.normal_(0, 0.5)
