@@ -100,11 +100,11 @@ def test_on_cuda_at_the_27b_head_it_equals_the_recomputed_chunks():
     """Qwen3.6-27B's head (hidden 5120, vocabulary 248320, bf16 as the target lends it) under bf16 autocast, 1024
     rows in the default loss.chunk_logits's chunks of 540: the same loss and predictions; the hidden states'
     gradient no further from the float32 head's than the recomputed path's is (1.05x for a different rounding)."""
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1024, 5120, generator=g).cuda()
-    head = (torch.randn(248320, 5120, generator=g) / 5120**0.5).cuda()
-    labels = torch.randint(0, 248320, (1024,), generator=g).cuda()
-    weight = torch.rand(1024, generator=g).cuda() + 0.1
+    g = torch.Generator("cuda").manual_seed(0)  # made on the GPU: a 5 GB head drawn on the host takes its time
+    hidden = torch.randn(1024, 5120, generator=g, device="cuda")
+    head = torch.randn(248320, 5120, generator=g, device="cuda") / 5120**0.5
+    labels = torch.randint(0, 248320, (1024,), generator=g, device="cuda")
+    weight = torch.rand(1024, generator=g, device="cuda") + 0.1
     bf16 = head.to(torch.bfloat16)
     fused = loss_and_grads(hidden, bf16, labels, weight, 2**27, True, autocast="cuda")
     ref = loss_and_grads(hidden, bf16, labels, weight, 2**27, False, autocast="cuda")
