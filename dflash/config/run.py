@@ -94,7 +94,8 @@ class TrainConfig:
     conv_kernel: str = "auto"
     """DFlash 2's grouped dynamic convolution in training: torch (the path exports run), triton (two fused kernels,
     dflash/drafter/conv_kernel.py: CUDA with triton installed, a power-of-two conv_group_size), or auto (triton
-    where it can run, else torch). The run logs and records the choice; DFlash drafters have no convolution."""
+    where it can run and train.compile is off, else torch). The run logs and records the choice; DFlash drafters
+    have no convolution."""
     distributed: str = "ddp"
     """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
     gradient_checkpointing: Any = False

@@ -60,14 +60,17 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
     return drafter
 
 
-def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device) -> str:
+def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device, compiled: bool = False) -> str:
     """DFlash 2's convolutions in `drafter` run through `setting` (train.conv_kernel): torch, triton (refused, with
     the reason, where the kernels cannot run) or auto (triton where they can, else torch). Returns the kernel now in
-    use; a drafter without convolutions (DFlash) keeps the setting as given."""
+    use; a drafter without convolutions (DFlash) keeps the setting as given. compiled (train.compile): auto keeps the
+    torch path, which inductor fuses; the kernels under dynamo are not checked yet (no GPU run has)."""
     convs = [m for m in drafter.modules() if isinstance(m, dflash2.GroupedDynamicConv)]
     if not convs or setting == "torch":
         return setting
     why_not = _conv_kernel_blocker(convs[0].group_size, device)
+    if setting == "auto" and compiled and not why_not:
+        why_not = "train.compile=true: inductor fuses the torch path"
     if setting == "triton" and why_not:
         raise ConfigError(f"train.conv_kernel=triton cannot run here: {why_not}; set train.conv_kernel=torch "
                           f"(or auto)")

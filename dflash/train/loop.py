@@ -218,7 +218,8 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     # which transformers' version-renamed enable methods also set
     if job.train.gradient_checkpointing is True:
         drafter.gradient_checkpointing = True
-    job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device)  # recorded as resolved
+    job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device,  # recorded as resolved
+                                            compiled=job.train.compile)
     model = torch.compile(drafter) if job.train.compile else drafter
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     # train_state/weights_fp32.safetensors is the float32 copy of the weights (loaded before prepare), so

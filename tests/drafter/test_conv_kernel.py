@@ -63,6 +63,7 @@ def test_where_the_kernel_can_run_every_convolution_goes_through_it(monkeypatch)
     monkeypatch.setitem(sys.modules, "dflash.drafter.conv_kernel", types.SimpleNamespace(grouped_dynamic_conv=kernel))
     monkeypatch.setattr(build, "_conv_kernel_blocker", lambda group_size, device: None)
     model = make_dflash2()
+    assert build.use_conv_kernel(make_dflash2(), "auto", CPU, compiled=True) == "torch"  # inductor fuses torch's
     assert build.use_conv_kernel(model, "auto", CPU) == "triton"
     assert all(c.conv is kernel for c in convs(model)) and len(convs(model)) == 4
     from tests.drafter.test_model import inputs
