@@ -124,8 +124,8 @@ def qwen3_6_dflash2_step(budget: float) -> dict:
         conv = conv_on_gpu(device)
     except Exception as e:  # noqa: BLE001 - a kernel that does not compile must not cost the step's figures
         conv = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    result = preset_verdict(preset_step(device, QWEN3_6_DFLASH2_PRESET + ([] if conv["ok"] else
-                                                                          ["train.conv_kernel=torch"]), budget_s=budget))
+    overrides = QWEN3_6_DFLASH2_PRESET + ([] if conv["ok"] else ["train.conv_kernel=torch"])
+    result = preset_verdict(preset_step(device, overrides, budget_s=budget))
     result["conv_kernel_check"] = conv
     if conv["ok"]:
         result["summary"] += (f"; Triton convolution equal to torch's, fwd+bwd {conv['fwd_bwd_ms']['triton']} ms "

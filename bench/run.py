@@ -4,8 +4,8 @@
     python -m bench --quick    # under 2 minutes on 2 cores (what CI runs)
     python -m bench --drafter runs/<run>/checkpoints/step-000100   # live decoding with a trained drafter
 
-Writes bench/results/<date>-<machine>.json (-2, -3 ... beside an earlier run of the day) and prints a table. Ratios measured in the same run
-are the headline figures; absolute times depend on the machine and its load.
+Writes bench/results/<date>-<machine>.json (-2, -3 ... beside an earlier run of the day) and prints a table.
+Ratios measured in the same run are the headline figures; absolute times depend on the machine and its load.
 """
 
 from __future__ import annotations

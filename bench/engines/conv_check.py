@@ -5,8 +5,8 @@ backward, run by Triton's interpreter in the fla venv (bench/engines/conv_probe.
 
 PASS when, for every shape of conv_probe.SHAPES, the kernel's output and gradients meet bench.dflash2_conv's rule
 (within FLOAT32_TOL of the torch path's in float32; in bfloat16 no further from the float32 torch path than the
-bfloat16 torch path is, or one bfloat16 rounding); and a tiny DFlash 2 drafter's training step through the kernel (chosen
-by train.conv_kernel=auto, as training chooses it) has the torch step's loss and gradients. On a GPU the same
+bfloat16 torch path is, or one bfloat16 rounding); and a tiny DFlash 2 drafter's training step through the kernel
+(chosen by train.conv_kernel=auto, as training chooses it) has the torch step's loss and gradients. On a GPU the same
 comparison runs as a test (tests/drafter/test_conv_kernel.py, in the GPU check's gpu_tests).
 --break conv: the kernel is handed the whole query row as one block; the check must FAIL.
 """

@@ -115,20 +115,19 @@ class Setup:
         return self.distributed == "fsdp" and self.world > 1
 
 
-def sdpa_chunks(s: Shape, u: Setup) -> tuple[int, int]:
-    """(context keys, bytes of the masks kept) summed over the sdpa path's chunks of blocks (dflash.drafter.
-    packed_attention.chunked_mask), the anchors spread evenly over [0, ctx_len - 2], for one sequence and one kind
-    of layer: per chunk an additive float32 context mask and a flag per query, and a bool [B, B] per block."""
+def sdpa_mask_bytes(s: Shape, u: Setup) -> int:
+    """Bytes of the masks the sdpa path keeps (dflash.drafter.packed_attention.chunked_mask) for one sequence and
+    one kind of layer, the anchors spread evenly over [0, ctx_len - 2]: per chunk of blocks an additive float32
+    context mask up to its largest anchor and a flag per query, and a bool [B, B] per block."""
     from dflash.drafter.blocks import BLOCKS_PER_CHUNK_TOKENS
 
     n, size = u.num_anchors, s.block_size
-    per, keys, held = max(1, BLOCKS_PER_CHUNK_TOKENS // size), 0, n * size * size
+    per, held = max(1, BLOCKS_PER_CHUNK_TOKENS // size), n * size * size
     for first in range(0, n, per):
         last = min(n, first + per)
         ctx = round((last - 1) * (u.ctx_len - 2) / max(n - 1, 1))  # the chunk's largest anchor
-        keys += ctx
         held += (last - first) * size * (4 * ctx + 1) if ctx else 0
-    return keys, held
+    return held
 
 
 DENSE_MASK_BYTES = {"full_attention": 3, "sliding_attention": 20}
@@ -216,7 +215,7 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     t["flex block masks"] = block_mask_bytes(s, u)["kept"] if u.backend == "flex" else 0
     # the sdpa path's ChunkedMask for each kind of layer, built before the forward and held until the backward is done
     kinds = len(set(s.layer_types))
-    t["sdpa chunk masks"] = b * sdpa_chunks(s, u)[1] * kinds if u.backend == "sdpa" else 0
+    t["sdpa chunk masks"] = b * sdpa_mask_bytes(s, u) * kinds if u.backend == "sdpa" else 0
     # online, before the drafter's forward: the captured layers' outputs in target.dtype and one target
     # layer's transients (its MLP's gate, up and product; the residual, norm and attention outputs)
     f = u.frozen
