@@ -1,5 +1,5 @@
 """The chunked head loss at a large vocabulary: loss.fused_ce (each chunk's gradient made in the forward,
-dflash/drafter/fused_ce.py) against the chunks recomputed in backward (loss.fused_ce=false), side by side.
+dflash.drafter.head_ce.py) against the chunks recomputed in backward (loss.fused_ce=false), side by side.
 
     python -m bench --only head_loss
 

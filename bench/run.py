@@ -40,6 +40,23 @@ def machine() -> dict:
     return info
 
 
+def print_table(results: dict) -> None:
+    from bench import suites  # imported by main after HF_HUB_OFFLINE is set
+
+    print(f"\ndflash benchmarks {results['date']} on {results['machine'].get('gpu') or results['machine']['cpu']}"
+          f" ({'quick' if results['quick'] else 'full'}; matmul {results['machine']['matmul_gflops_fp32']} GFLOP/s)")
+    print(f"{'figure':40s} {'value':>10s}  goal")
+    for key, value in results["headline"].items():
+        goal = suites.GOALS.get(key)
+        mark = ""
+        if goal:
+            ok = value >= goal[1] if goal[0] == ">=" else value <= goal[1]
+            mark = f"{goal[0]} {goal[1]}  {'ok' if ok else 'MISSED'}"
+        print(f"{key:40s} {value:10.4g}  {mark}")
+    for name, b in results["benchmarks"].items():
+        print(f"  {name}: {b['seconds']} s, peak memory {b['peak_memory_mib']} MiB")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 cores")
@@ -75,7 +92,7 @@ def main(argv=None) -> dict:
     out_path = args.out or unused_path(RESULTS, f"{results['date']}-{_machine_tag(results['machine'])}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1))
-    suites.print_table(results)
+    print_table(results)
     print(f"\nwritten to {out_path} ({results['total_seconds']} s)")
     return results
 

@@ -388,18 +388,3 @@ def headline(b: dict) -> dict:
     if "feature_storage" in b and "skipped" not in b["feature_storage"]:
         h["fp8_minus_bf16_heldout_tau"] = b["feature_storage"]["fp8_tau_minus_bf16"]
     return h
-
-
-def print_table(results: dict) -> None:
-    print(f"\ndflash benchmarks {results['date']} on {results['machine'].get('gpu') or results['machine']['cpu']}"
-          f" ({'quick' if results['quick'] else 'full'}; matmul {results['machine']['matmul_gflops_fp32']} GFLOP/s)")
-    print(f"{'figure':40s} {'value':>10s}  goal")
-    for key, value in results["headline"].items():
-        goal = GOALS.get(key)
-        mark = ""
-        if goal:
-            ok = value >= goal[1] if goal[0] == ">=" else value <= goal[1]
-            mark = f"{goal[0]} {goal[1]}  {'ok' if ok else 'MISSED'}"
-        print(f"{key:40s} {value:10.4g}  {mark}")
-    for name, b in results["benchmarks"].items():
-        print(f"  {name}: {b['seconds']} s, peak memory {b['peak_memory_mib']} MiB")

@@ -236,7 +236,7 @@ class LossConfig:
     [anchors x block x vocab] never exists whole (0 = never chunk)."""
     fused_ce: bool = True
     """Chunked decay_ce (and DFlash 2's selector CE): each chunk's gradients are made in the forward, from the
-    logits made once (dflash/drafter/fused_ce.py); false = each chunk is recomputed in backward (activation
+    logits made once (dflash.drafter.head_ce.py); false = each chunk is recomputed in backward (activation
     checkpointing: the head's matmul and softmax twice). The soft objectives always recompute, and so does the
     selector under FSDP."""
 

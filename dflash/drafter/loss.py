@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.drafter.fused_ce import fused_head_ce, fused_head_selector_ce
+from dflash.drafter.head_ce import fused_head_ce, fused_head_selector_ce, weighted_ce_sum
 from dflash.drafter.model import Scales
 from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 
@@ -45,35 +45,6 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, scales: Scales | Non
     multiplier and softcap (`scales`: the drafter's, Scales.logits as evaluation and decoding make them; None =
     none)."""
     return (scales or Scales()).logits(hidden, weight)
-
-
-class WeightedCE(torch.autograd.Function):
-    """sum_i w_i CE(logits_i, labels_i), its gradient written in one [N, V] tensor: w_i g (softmax_i - onehot(label_i)),
-    the softmax exp'd in place from the saved log-softmax, where autograd's cross_entropy zero-fills one for nll_loss's
-    one-hot and makes another in log_softmax's backward (1.5% of a 512-anchor CPU step). Every label must be a token
-    id (no ignore_index: the loss's rows are the labelled ones). The weights may carry a gradient (CE_i g)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(logits, -1)
-        ce = -logp.gather(-1, labels[:, None])[:, 0]
-        ctx.save_for_backward(logp, labels, weight, ce)
-        return (ce * weight).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logp, labels, weight, ce = ctx.saved_tensors
-        scale = weight * grad
-        dlogits = None
-        if ctx.needs_input_grad[0]:
-            dlogits = logp.exp().mul_(scale[:, None].to(logp.dtype))
-            dlogits[torch.arange(len(labels), device=labels.device), labels] -= scale.to(logp.dtype)
-        return dlogits, None, (ce * grad).to(weight.dtype) if ctx.needs_input_grad[2] else None
-
-
-def weighted_ce_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum_i weight_i * CE(logits_i, labels_i) (`WeightedCE`): logits [N, V], labels and weight [N]."""
-    return WeightedCE.apply(logits, labels, weight)
 
 
 def _chunk_ce(hidden, weight, labels, row_weight, selector=None, prev=None, sel_weight=None, gold=None,
@@ -95,7 +66,7 @@ def weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     hidden: [N, H]; labels, row_weight: [N]. When N x vocab exceeds chunk_logits (> 0), the
     logits are made chunk by chunk of rows, so peak memory holds one chunk's logits instead of N x vocab: with
     `fused` (loss.fused_ce), each chunk's gradients (the selector's too) are made in the forward
-    (dflash.drafter.fused_ce); else the chunks are recomputed in backward (activation checkpointing). Below it
+    (dflash.drafter.head_ce); else the chunks are recomputed in backward (activation checkpointing). Below it
     they are made at once (no recompute). Returns (loss_sum, predictions [N]); with a selector (prev, sel_weight,
     gold [N], options: `selector_ce`) also the selector's weighted CE sum, its choices [N], the oracle [N] and the
     rows it counts [N] from the same logits.

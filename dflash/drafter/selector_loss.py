@@ -118,7 +118,7 @@ class Scored(NamedTuple):
 
 def selector_scores(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
                     gold: torch.Tensor | None, options: SelectorOptions, unary_leaf: bool) -> Scored:
-    """`selector_ce`'s loss from logits taken as constants (the fused head loss, dflash.drafter.fused_ce): the
+    """`selector_ce`'s loss from logits taken as constants (the fused head loss, dflash.drafter.head_ce): the
     K + 1 unary scores it reads are gathered, and with `unary_leaf` made a leaf whose gradient the caller takes
     (gradient=coupled)."""
     both = _candidates(selector, logits, labels if gold is None else gold)

@@ -1,11 +1,12 @@
-"""loss.fused_ce: the chunked head CE with its gradient made in the forward (dflash.drafter.fused_ce) equals the
-checkpointed chunks it replaces and the unchunked loss, and runs the head's matmul once a row instead of twice."""
+"""The head's CE (dflash.drafter.head_ce): WeightedCE on given logits against autograd's, and loss.fused_ce, the
+chunked head CE with its gradients made in the forward, equal to the checkpointed chunks it replaces and the
+unchunked loss, running the head's matmul once a row instead of twice."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash.drafter.fused_ce import fused_head_ce
+from dflash.drafter.head_ce import fused_head_ce, weighted_ce_sum
 from dflash.drafter.loss import block_terms, head_logits, weighted_ce
 from dflash.drafter.model import Scales
 
@@ -165,3 +166,24 @@ def test_dflash2_fused_equals_the_recomputed_chunks(gradient, gold, dropout, sca
     fused_rows = sum(rows)
     run(False)
     assert fused_rows == N and sum(rows) - fused_rows == 2 * N
+
+
+def test_weighted_ce_equals_autograds_cross_entropy_in_value_and_gradients():
+    """WeightedCE's one-tensor backward against autograd's cross_entropy (float64): the same sum, the same gradient
+    for the logits and for weights that carry one; fails on a backward that drops the one-hot (softmax alone) or the
+    weights."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 50, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[:5] = labels[5]  # repeated labels: the one-hot of each row, not accumulated across rows
+    weight = torch.rand(37, generator=g, dtype=torch.float64)
+    a, wa = logits.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    b, wb = logits.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ours = weighted_ce_sum(a, labels, wa)
+    ref = (torch.nn.functional.cross_entropy(b, labels, reduction="none") * wb).sum()
+    (2.5 * ours).backward()
+    (2.5 * ref).backward()
+    assert torch.allclose(ours, ref, rtol=1e-12)
+    assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-12) and torch.allclose(wa.grad, wb.grad, rtol=1e-12)
+    small = (logits[:6, :7].clone().requires_grad_(True), weight[:6].clone().requires_grad_(True))
+    assert torch.autograd.gradcheck(lambda x, w: weighted_ce_sum(x, labels[:6] % 7, w), small)
