@@ -72,8 +72,7 @@ def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device
     if setting == "auto" and compiled and not why_not:
         why_not = "train.compile=true: inductor fuses the torch path"
     if setting == "triton" and why_not:
-        raise ConfigError(f"train.conv_kernel=triton cannot run here: {why_not}; set train.conv_kernel=torch "
-                          f"(or auto)")
+        raise _conv_kernel_refused(why_not)
     if why_not:
         log.info("train.conv_kernel=auto: torch (%s)", why_not)
         return "torch"
@@ -83,6 +82,19 @@ def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device
         conv.conv = conv_kernel.grouped_dynamic_conv
     log.info("train.conv_kernel=%s: DFlash 2's convolutions run as Triton kernels on %s", setting, device)
     return "triton"
+
+
+def check_conv_kernel(cfg: DrafterConfig, setting: str, device: torch.device) -> None:
+    """train.conv_kernel=triton for a DFlash 2 drafter refused before any work (data, extraction) where the kernels
+    cannot run on `device`; `use_conv_kernel` applies the setting once the drafter is built."""
+    why_not = _conv_kernel_blocker(cfg.conv_group_size, device) if setting == "triton" and cfg.kind == "dflash2" \
+        else None
+    if why_not:
+        raise _conv_kernel_refused(why_not)
+
+
+def _conv_kernel_refused(why_not: str) -> ConfigError:
+    return ConfigError(f"train.conv_kernel=triton cannot run here: {why_not}; set train.conv_kernel=torch (or auto)")
 
 
 def _conv_kernel_blocker(group_size: int, device: torch.device) -> str | None:

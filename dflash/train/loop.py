@@ -22,7 +22,7 @@ from dflash.config import JobConfig
 from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
-from dflash.drafter.build import build_drafter, load_drafter, use_conv_kernel
+from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
@@ -72,6 +72,7 @@ def train(job: JobConfig) -> Path:
                           "train.resume=latest|best|step<N>|<path>")
     acc = make_accelerator(job)
     backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
+    check_conv_kernel(job.drafter, job.train.conv_kernel, acc.device)  # nor DFlash 2's Triton convolution
     check_optimizer(job.optim, fsdp=is_fsdp(acc))
     dist = current()  # the Accelerator's processes, with the store that long waits go through
     setup_logging(main=acc.is_main_process)

@@ -39,6 +39,18 @@ def test_on_a_cpu_auto_keeps_the_torch_path_and_triton_is_refused_with_the_fix(m
     assert build.use_conv_kernel(make_drafter(), "auto", CPU) == "auto"  # DFlash: no convolution to choose
 
 
+def test_train_py_refuses_triton_on_a_cpu_before_any_work(tmp_path):
+    """train.conv_kernel=triton on a CPU stops at the start of train.py, naming the fix, before data or extraction
+    (nothing is written under run.root)."""
+    from dflash.train.loop import train
+    from tests.train.test_loop import job_for
+
+    job = job_for(tmp_path, "refused", "drafter.kind=dflash2", "train.conv_kernel=triton")
+    with pytest.raises(ConfigError, match="train.conv_kernel=triton cannot run here: .*set train.conv_kernel=torch"):
+        train(job)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("why", ["triton is not installed", "the kernels run on CUDA and the drafter trains on cpu",
                                  "conv_group_size=12 is not a power of two"])
 def test_each_reason_the_kernel_cannot_run_is_named(monkeypatch, why):
