@@ -140,3 +140,23 @@ def test_the_conv_check_fails_on_any_shape_off_or_a_step_that_never_ran_the_kern
     out = conv_check.check("python", tmp_path / "conv")
     assert out["ok"] == (case == "pass")
     assert conv_check.verdict(out).endswith("PASS" if case == "pass" else "FAIL")
+
+
+def test_vllm_extract_replaces_its_report_whole(tmp_path, monkeypatch):
+    """dflash.data.vllm_features reads engine.json when vllm_extract.py says it is ready, and vllm_extract.py writes
+    its final report while that read may still be under way: written in place, the file was empty for a moment
+    (a CI run read '' and failed). It is now written beside and renamed over: at the rename the old report is
+    still whole. (Imported here: its top imports the standard library only.)"""
+    from bench.engines import vllm_extract
+
+    path = tmp_path / "engine.json"
+    vllm_extract.write_json_whole(str(path), {"load_s": 1.0})
+    seen, rename = [], vllm_extract.os.replace
+
+    def replace(src, dst):
+        seen.append(json.loads(Path(dst).read_text()))  # what a reader finds just before the new one lands
+        rename(src, dst)
+
+    monkeypatch.setattr(vllm_extract.os, "replace", replace)
+    vllm_extract.write_json_whole(str(path), {"load_s": 1.0, "extract_s": 0.5})
+    assert seen == [{"load_s": 1.0}] and json.loads(path.read_text()) == {"load_s": 1.0, "extract_s": 0.5}

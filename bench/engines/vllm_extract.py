@@ -118,6 +118,16 @@ def versions() -> dict:
     return out
 
 
+def write_json_whole(path: str, obj: dict) -> None:
+    """obj as JSON into path through a temporary file and a rename: the caller reads the report when it sees READY,
+    and the final report is written while it may still be reading that one (a file opened for writing is empty
+    until written: the caller read '' under load)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     work = request["work"]
@@ -126,8 +136,7 @@ def main() -> None:
     report = {"vllm_layer_ids": request["vllm_layer_ids"]}
 
     def write_report():
-        with open(os.path.join(work, "engine.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        write_json_whole(os.path.join(work, "engine.json"), report)
 
     try:
         report["versions"] = versions()

@@ -24,6 +24,9 @@ FAKE = r'''
 import json, os, sys
 import torch
 from safetensors.torch import load_file, save_file
+def report_out(report):  # replaced whole, as vllm_extract.write_json_whole does: the caller may be reading it
+    json.dump(report, open(os.path.join(work, "engine.tmp"), "w"))
+    os.replace(os.path.join(work, "engine.tmp"), os.path.join(work, "engine.json"))
 request = json.load(open(sys.argv[1]))
 work, stop = request["work"], int(os.environ.get("FAKE_STOP", "-2"))
 width = json.load(open(os.path.join(request["target"], "config.json")))["hidden_size"]
@@ -32,9 +35,9 @@ report = {"versions": {"vllm": "0.0-fake", "torch": torch.__version__}, "vllm_la
 if stop == -1:
     print("(EngineCore pid=1) ERROR [core.py:1] ValueError: no room for the fake engine")
     report["error"] = "RuntimeError: Engine core initialization failed. See root cause above."
-    json.dump(report, open(os.path.join(work, "engine.json"), "w"))
+    report_out(report)
     sys.exit(3)
-json.dump(report, open(os.path.join(work, "engine.json"), "w"))
+report_out(report)
 print("dflash-vllm ready", flush=True)
 print(json.dumps(request["shards"]), file=open(os.path.join(work, "..", "..", "asked.jsonl"), "a"))
 tokens = 0
@@ -50,7 +53,7 @@ for k in request["shards"]:
     if k == stop:
         sys.exit(1)
 report.update(extract_s=0.5, tokens=tokens)
-json.dump(report, open(os.path.join(work, "engine.json"), "w"))
+report_out(report)
 '''
 
 
