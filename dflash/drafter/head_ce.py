@@ -48,11 +48,27 @@ class WeightedCE(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logp, labels, weight, ce = ctx.saved_tensors
         scale = weight * grad
-        dlogits = None
-        if ctx.needs_input_grad[0]:
-            dlogits = logp.exp().mul_(scale[:, None].to(logp.dtype))
-            dlogits[torch.arange(len(labels), device=labels.device), labels] -= scale.to(logp.dtype)
+        dlogits = _ce_gradient(logp.exp(), labels, scale) if ctx.needs_input_grad[0] else None
         return dlogits, None, (ce * grad).to(weight.dtype) if ctx.needs_input_grad[2] else None
+
+
+def _ce_gradient(probs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale_i (softmax_i - onehot(labels_i)), the weighted CE's logits gradient, written into `probs` [N, V] (the
+    softmax, a tensor the caller owns)."""
+    probs.mul_(scale[:, None].to(probs.dtype))
+    probs[torch.arange(len(labels), device=labels.device), labels] -= scale.to(probs.dtype)
+    return probs
+
+
+def _unary_chunk(logits: torch.Tensor, h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                 want_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A chunk's weighted CE from its logits (made from the leaf h, their graph through it): (CE [n], argmax [n],
+    d sum_i w_i CE_i / dh, or None without `want_h`)."""
+    logp = torch.log_softmax(logits.detach(), -1)
+    ce = -logp.gather(-1, labels[:, None])[:, 0]
+    pred = logits.detach().argmax(-1)
+    grad = torch.autograd.grad(logits, h, _ce_gradient(logp.exp_(), labels, weight))[0] if want_h else None
+    return ce, pred, grad
 
 
 def weighted_ce_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -74,14 +90,10 @@ class FusedHeadCE(torch.autograd.Function):
             y, w = labels[part], row_weight[part].detach()
             with torch.enable_grad():
                 logits = logits_fn(h, weight)  # float32 [n, V]; its graph (through h only) lives for this chunk
-            logp = torch.log_softmax(logits.detach(), -1)
-            ce[part] = -logp.gather(-1, y[:, None])[:, 0]
-            pred[part] = logits.detach().argmax(-1)
+            ce[part], pred[part], g = _unary_chunk(logits, h, y, w, want_h)
             if want_h:
-                dlogits = logp.exp_().mul_(w[:, None].to(logp.dtype))  # w (softmax - onehot), in place
-                dlogits[torch.arange(len(y), device=y.device), y] -= w.to(logp.dtype)
-                grad_h[part] = torch.autograd.grad(logits, h, dlogits)[0]
-            del logits, logp
+                grad_h[part] = g
+            del logits
         ctx.mark_non_differentiable(pred)
         ctx.save_for_backward(grad_h if want_h else None, ce if want_w else None)
         return (ce * row_weight.detach().float()).sum(), pred
@@ -149,9 +161,9 @@ class FusedHeadSelectorCE(torch.autograd.Function):
             with torch.enable_grad():
                 logits = how.logits_fn(h, weight)
             L = logits.detach()
-            logp = torch.log_softmax(L, -1)
-            ce[part] = -logp.gather(-1, y[:, None])[:, 0]
-            pred[part] = L.argmax(-1)
+            ce[part], pred[part], g = _unary_chunk(logits, h, y, w, want_h)
+            if want_h:
+                grad_unary[part] = g
             # the selector's CE on the same logits, its gradient taken here (the unary scores as a leaf)
             coupled, stop = opts.gradient == "coupled", opts.gradient == "stop"
             with torch.enable_grad():
@@ -168,20 +180,16 @@ class FusedHeadSelectorCE(torch.autograd.Function):
                     acc += g
             sel_ce[part], choice[part], oracle[part], counted[part] = (t.detach() for t in out.terms)
             if want_h:
-                dlogits = logp.exp_().mul_(w[:, None].to(logp.dtype))
-                dlogits[torch.arange(len(y), device=y.device), y] -= w.to(logp.dtype)
-                grad_unary[part] = torch.autograd.grad(logits, h, dlogits)[0]
                 g_sel = found[0].float() if h_sel.requires_grad else torch.zeros(h.shape, device=h.device)
                 if coupled:  # the unary scores' gradient through the head's rows they read, sparsely
                     g_unary = found[len(leaves) - 1].float() * _scales_derivative(how.scales, L.gather(-1, out.index))
                     for j in range(out.index.shape[1]):
                         g_sel += g_unary[:, j, None] * F.embedding(out.index[:, j], weight).float()
                 grad_sel[part] = g_sel.to(hidden.dtype)
-            del logits, logp
+            del logits
         for t in (pred, choice, oracle, counted):
             ctx.mark_non_differentiable(t)
         ctx.save_for_backward(grad_unary, grad_sel, *grad_params)
-        ctx.n_params = len(params)
         unary_sum = (ce * row_weight.detach().float()).sum()
         return unary_sum, pred, (sel_ce * sel_weight.detach().float()).sum(), choice, oracle, counted
 
