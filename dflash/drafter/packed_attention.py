@@ -115,26 +115,31 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 def _own_block_scores(q, k, mask: ChunkedMask, scale: float) -> torch.Tensor:
     """[b, h_kv, g, n, B, B] float32 scores of each block's queries against its own keys, hidden ones -inf."""
-    B, L = mask.block_size, mask.ctx_len
-    qb = _blocks(q.unflatten(1, (k.shape[1], -1)), B)  # [b, h_kv, g, n, B, d]
-    kb = _blocks(k[:, :, L:], B)[:, :, None]  # [b, h_kv, 1, n, B, d]
+    qb, kb = _query_blocks(q, k.shape[1], mask.block_size), _own_keys(k, mask)
     s = (qb @ kb.transpose(-1, -2)).float().mul_(scale)
     return s.masked_fill_(~mask.block_mask[:, :, None], NEG_INF)
 
 
-def _blocks(t: torch.Tensor, B: int) -> torch.Tensor:
+def _query_blocks(t: torch.Tensor, hkv: int, B: int) -> torch.Tensor:
+    """[b, h, n B, .] per query -> [b, h_kv, g, n, B, .]: each key-value head's g query heads, block by block."""
+    t = t.unflatten(1, (hkv, -1))
     return t.unflatten(-2, (t.shape[-2] // B, B))
+
+
+def _own_keys(t: torch.Tensor, mask: ChunkedMask) -> torch.Tensor:
+    """[b, h_kv, ctx_len + n B, d] keys or values -> the blocks' own ones, [b, h_kv, 1, n, B, d]."""
+    t = t[:, :, mask.ctx_len:]
+    return t.unflatten(-2, (t.shape[-2] // mask.block_size, mask.block_size))[:, :, None]
 
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask: ChunkedMask, scale: float):
         b, h, Q, d = q.shape
-        hkv, L, B = k.shape[1], mask.ctx_len, mask.block_size
         s = _own_block_scores(q, k, mask, scale)
         lse_blk = torch.logsumexp(s, -1)  # [b, h_kv, g, n, B]
         p = torch.exp(s - lse_blk[..., None]).to(v.dtype)
-        out_blk = (p @ _blocks(v[:, :, L:], B)[:, :, None]).reshape(b, h, Q, d)
+        out_blk = (p @ _own_keys(v, mask)).reshape(b, h, Q, d)
         lse_blk = lse_blk.reshape(b, h, Q)
         parts, lses = [], []
         for ch in mask.chunks:
@@ -176,12 +181,12 @@ class _SplitAttention(torch.autograd.Function):
             grad_v[:, :, :ch.ctx_len] += dv
         grad_q = torch.cat(grad_q, 2)
         # the own block's share, as flash's backward computes a part's from the merged output and log-sum-exp
-        g = lambda t: _blocks(t.unflatten(1, (hkv, -1)), B)  # noqa: E731 - [b, h, Q, .] -> [b, h_kv, g, n, B, .]
+        g = lambda t: _query_blocks(t, hkv, B)  # noqa: E731
         p = torch.exp(_own_block_scores(q, k, mask, scale) - g(lse[..., None]))  # [b, h_kv, g, n, B, B]
         go = g(grad).float()
-        vb = _blocks(v[:, :, L:], B)[:, :, None].float()
+        vb = _own_keys(v, mask).float()
         ds = p * (go @ vb.transpose(-1, -2) - (go * g(out).float()).sum(-1, keepdim=True)) * scale
-        kb = _blocks(k[:, :, L:], B)[:, :, None].float()
+        kb = _own_keys(k, mask).float()
         grad_q = grad_q + (ds @ kb).reshape(b, h, Q, d).to(grad_q.dtype)
         qb = g(q).float()
         grad_k[:, :, L:] = (ds.transpose(-1, -2) @ qb).sum(2).reshape(b, hkv, Q, d).to(k.dtype)
