@@ -64,31 +64,22 @@ def compare(kernel, reference, shape: dict, dtype: torch.dtype, device, seed: in
     return row
 
 
-def conv_on_gpu(device, rounds: int = 5) -> dict:
+def conv_on_gpu(device, rounds: int = 5, shape: dict = QWEN3_6_27B) -> dict:
     """At the 27B shape on CUDA: the comparison in float32 and bfloat16, and the forward and backward of each path
-    in bfloat16 timed alternately (median of `rounds`, ms). "ok" is the comparison's; where it fails the check
-    trains with the torch path and says so."""
-    from bench.measure import median
+    in bfloat16 timed alternately (bench.measure.alternating over `rounds`, ms). "ok" is the comparison's; where it
+    fails the check trains with the torch path and says so."""
+    from bench.measure import alternating
     from dflash.drafter import conv_kernel
     from dflash.drafter.dflash2 import grouped_dynamic_conv
 
-    shape = QWEN3_6_27B
     out = {"shape": shape, "compared": {str(d).removeprefix("torch."): compare(
         conv_kernel.grouped_dynamic_conv, grouped_dynamic_conv, shape, d, device) for d in (torch.float32,
                                                                                           torch.bfloat16)}}
     out["ok"] = all(r["ok"] for r in out["compared"].values())
     z, base, proj, grad = inputs(shape, torch.bfloat16, device)
     paths = {"torch": grouped_dynamic_conv, "triton": conv_kernel.grouped_dynamic_conv}
-    times = {k: [] for k in paths}
-    for _ in range(rounds + 1):  # the first round compiles the kernels: not counted
-        for name, conv in paths.items():
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(conv, z, base, proj, grad, shape["group_size"], shape["block_len"])
-            end.record()
-            torch.cuda.synchronize(device)
-            times[name].append(start.elapsed_time(end))
-    out["fwd_bwd_ms"] = {k: round(median(v[1:]), 3) for k, v in times.items()}
+    times = alternating({name: lambda conv=conv: run(conv, z, base, proj, grad, shape["group_size"],
+                                                     shape["block_len"]) for name, conv in paths.items()}, rounds)
+    out["fwd_bwd_ms"] = {k: round(t * 1e3, 3) for k, t in times.items()}
     out["torch_over_triton"] = round(out["fwd_bwd_ms"]["torch"] / out["fwd_bwd_ms"]["triton"], 2)
     return out
