@@ -14,6 +14,9 @@
 #   decay_dropout  the default + both (decay 1.0, dropout 0.2)
 #   topk8          the default with 8 candidates, not 16 (fewer to overrule a right unary choice; a lower ceiling)
 #   weight2        the default with the selector's CE at weight 2 (loss.selector_weight)
+#   span           the default with both codebooks kept in the span of the target's token vectors (embeddings for
+#                  the predecessor's, head rows for the successor's; loss.selector_span=embedding)
+#   spanpred       the same for the predecessor's codebook alone (loss.selector_span=predecessor)
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
@@ -25,7 +28,7 @@
 set -euo pipefail
 ROOT=${ROOT:-runs/selector}
 SEEDS=${SEEDS:-"0 1 2"}
-ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropout topk8 weight2"}
+ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropout topk8 weight2 span spanpred"}
 PY=${PY:-python}
 declare -A OVERRIDES=(
   [dflash]="drafter.kind=dflash"
@@ -38,6 +41,8 @@ declare -A OVERRIDES=(
   [decay_dropout]="drafter.kind=dflash2 loss.selector_decay=1.0 loss.selector_dropout=0.2"
   [topk8]="drafter.kind=dflash2 drafter.selector_top_k=8"
   [weight2]="drafter.kind=dflash2 loss.selector_weight=2.0"
+  [span]="drafter.kind=dflash2 loss.selector_span=embedding"
+  [spanpred]="drafter.kind=dflash2 loss.selector_span=predecessor"
 )
 for arm in $ARMS; do
   for seed in $SEEDS; do

@@ -177,7 +177,8 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 ACCEPTANCE_OBJECTIVES = ("tv", "nla", "expected_tau")  # made of the acceptance rates (dflash.drafter.loss)
 SOFT_OBJECTIVES = ("kl", *ACCEPTANCE_OBJECTIVES)  # read the target's next-token distribution
 SELECTOR_CHOICES = {"gradient": ("coupled", "detach_unary", "stop"), "gold": ("inject", "strict"),
-                    "weights": ("decay", "follow"), "init": ("normal", "zero"), "labels": ("data", "target")}
+                    "weights": ("decay", "follow"), "init": ("normal", "zero"), "labels": ("data", "target"),
+                    "span": ("free", "embedding", "predecessor")}
 """The values of loss.selector_<key> (dflash.drafter.selector_loss says what each does)."""
 
 
@@ -231,6 +232,11 @@ class LossConfig:
     """dflash2: AdamW weight decay of the two codebooks; null = optim.weight_decay, as any matrix."""
     selector_dropout: float = 0.0
     """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
+    selector_span: str = "free"
+    """dflash2: free (each token's codebook rows its own) or embedding (after every optimizer step each codebook is
+    projected onto the span of the target's token vectors, its embeddings for the predecessor's and its head's rows
+    for the successor's: tokens alike to the target share what the selector learns of them), or predecessor (the
+    predecessor's codebook alone)."""
     chunk_logits: int = 134217728
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks, so
     [anchors x block x vocab] never exists whole (0 = never chunk)."""

@@ -161,3 +161,43 @@ def schedule_weight(step: int, total_steps: int, weight: float, warmup_ratio: fl
     if step < start:
         return 0.0
     return weight if ramp <= 0 else weight * min(1.0, (step - start) / ramp)
+
+
+class CodebookSpan:
+    """loss.selector_span=embedding: keeps the selector's codebooks in the span of the target's token vectors.
+
+    A free codebook row is a token's own: it learns that token's pairs in the training answers and nothing of the
+    tokens like it. Here each codebook C [V, r] stays E A for some A [H, r], E [V, H] the target's embedding table
+    (predecessor) or head (successor): after every optimizer step C is replaced by its least-squares projection
+    E (E^T E)^+ E^T C, so what is learnt of one token moves the tokens the target places near it. The exported
+    codebooks are still [V, r] tables (the published layout): serving does not know how they were trained.
+    Rows of E are read in chunks of `chunk_rows`, so no [V, H] float32 copy of a large table is made."""
+
+    def __init__(self, selector, embedding: torch.Tensor, head: torch.Tensor | None, chunk_rows: int = 65536):
+        """head None: the successor's codebook stays free (loss.selector_span=predecessor)."""
+        self.chunk_rows = chunk_rows
+        self.pairs = [(selector.predecessor_codebook, embedding)]
+        if head is not None:
+            self.pairs.append((selector.successor_codebook, head))
+        self.grams = [torch.linalg.pinv(self._gram(table), hermitian=True).float() for _, table in self.pairs]
+        self()
+
+    def _chunks(self, table: torch.Tensor):
+        for start in range(0, table.shape[0], self.chunk_rows):
+            yield start, table[start:start + self.chunk_rows].float()
+
+    def _gram(self, table: torch.Tensor) -> torch.Tensor:
+        gram = torch.zeros(table.shape[1], table.shape[1], dtype=torch.float64, device=table.device)
+        for _, rows in self._chunks(table):
+            gram += rows.double().T @ rows.double()
+        return gram
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for (codebook, table), gram_inv in zip(self.pairs, self.grams):
+            coeff = torch.zeros(table.shape[1], codebook.shape[1], device=codebook.device)
+            for start, rows in self._chunks(table):
+                coeff += rows.T @ codebook[start:start + rows.shape[0]].float()
+            coeff = gram_inv @ coeff
+            for start, rows in self._chunks(table):
+                codebook[start:start + rows.shape[0]] = (rows @ coeff).to(codebook.dtype)

@@ -24,6 +24,7 @@ from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
+from dflash.drafter.selector_loss import CodebookSpan
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
@@ -63,6 +64,8 @@ class Model:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
+    after_step: object = None
+    """Called after every optimizer step: the selector's CodebookSpan (loss.selector_span not free), or None."""
 
 
 def train(job: JobConfig) -> Path:
@@ -74,6 +77,9 @@ def train(job: JobConfig) -> Path:
     backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
     check_conv_kernel(job.drafter, job.train.conv_kernel, acc.device)  # nor DFlash 2's Triton convolution
     check_optimizer(job.optim, fsdp=is_fsdp(acc))
+    if job.drafter.kind == "dflash2" and job.loss.selector_span != "free" and is_fsdp(acc):
+        raise ConfigError(f"loss.selector_span={job.loss.selector_span} projects whole codebooks after each step, "
+                          f"which FSDP shards: train with DDP (train.distributed=ddp) or loss.selector_span=free")
     dist = current()  # the Accelerator's processes, with the store that long waits go through
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
@@ -113,6 +119,9 @@ def train(job: JobConfig) -> Path:
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
     state = TrainState(total_steps=total)
     m = prepare_model(job, acc, drafter, total, resumed, state)
+    if drafter.kind == "dflash2" and job.loss.selector_span != "free":
+        m.after_step = CodebookSpan(drafter.candidate_selector, target.embed_tokens.weight,
+                                    target.lm_head.weight if job.loss.selector_span == "embedding" else None)
     if drafter.kind == "dflash2" and acc.is_main_process:  # which convolution this process trained with
         record_run(run, conv_kernel=job.train.conv_kernel)
 

@@ -208,6 +208,8 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     check_finite(acc, run, micro, losses, grad_norm)
     window["grad_norm"] = grad_norm.detach()
     m.optimizer.step()
+    if m.after_step is not None:
+        m.after_step()
     m.scheduler.step()
     m.optimizer.zero_grad(set_to_none=True)
 

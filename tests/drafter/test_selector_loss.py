@@ -240,3 +240,29 @@ def test_the_weight_schedule_waits_then_ramps_linearly():
     assert [schedule_weight(s, 100, 2.0) for s in (0, 50)] == [2.0, 2.0]  # no schedule
     assert [schedule_weight(s, 10, 1.0, 0.5) for s in (4, 5)] == [0.0, 1.0]  # a warmup without a ramp: a step
     assert schedule_weight(3, 0, 1.0, 0.5, 0.5) == 1.0  # no total (a step outside a run): the weight
+
+
+@pytest.mark.parametrize("successor", [True, False])
+def test_the_codebook_span_keeps_the_codebooks_in_the_span_of_the_targets_token_vectors(successor):
+    """loss.selector_span: after the projection each codebook is E A for E's least-squares A (E the embeddings for
+    the predecessor's, the head's rows for the successor's; predecessor alone leaves the successor's as it was);
+    projecting again changes nothing, and rows read in chunks give what one pass gives."""
+    from dflash.drafter.selector_loss import CodebookSpan
+
+    torch.manual_seed(0)
+    selector = CandidateSelector(16, 50, 8, 4)
+    embedding, head = torch.randn(50, 16), torch.randn(50, 16)
+    before = {n: p.detach().clone() for n, p in selector.named_parameters()}
+    span = CodebookSpan(selector, embedding, head if successor else None, chunk_rows=7)
+    for name, table in (("predecessor_codebook", embedding), ("successor_codebook", head)):
+        least = table @ torch.linalg.lstsq(table, before[name]).solution
+        now = getattr(selector, name).detach()
+        assert torch.allclose(now, least if successor or name == "predecessor_codebook" else before[name], atol=1e-5)
+    assert not torch.allclose(selector.predecessor_codebook, before["predecessor_codebook"], atol=1e-3)
+    projected = {n: p.detach().clone() for n, p in selector.named_parameters()}
+    span()
+    assert all(torch.allclose(p, projected[n], atol=1e-5) for n, p in selector.named_parameters())
+    whole = CandidateSelector(16, 50, 8, 4)
+    whole.load_state_dict(before)
+    CodebookSpan(whole, embedding, head if successor else None)
+    assert all(torch.allclose(p, projected[n], atol=1e-5) for n, p in whole.named_parameters())

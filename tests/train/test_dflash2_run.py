@@ -178,3 +178,30 @@ def test_the_target_argmax_labels_offline_equal_online_and_need_a_topk_cache(wor
     with pytest.raises(ConfigError, match="loss.selector_labels=target needs the target's argmax.*train.mode=online"):
         train(job_for(workdir, "argmax-none", *SMALL, "loss.selector_labels=target", "train.max_steps=1",
                       target="tiny_qwen3"))
+
+
+def test_the_codebook_span_holds_through_training_and_fsdp_is_refused(workdir, monkeypatch):
+    """loss.selector_span=embedding: every checkpoint's codebooks lie in the span of the target's embeddings
+    (predecessor) and head rows (successor), and training moved them; under FSDP (sharded codebooks) the key is
+    refused before any data work."""
+    from dflash.target.loading import load_target
+    from dflash.train import loop
+
+    job = job_for(workdir, "span", *SMALL, "train.max_steps=2", "train.save_every=1", "train.batch_size=2",
+                  "loss.selector_span=embedding", target="tiny_qwen3")
+    run = train(job)
+    checkpoints = [load_file(c / "model.safetensors") for _, c in RunLayout(run).list_checkpoints()]
+    assert len(checkpoints) == 2
+    target = load_target(job.target, heads_only=True)
+    for weights in checkpoints:
+        for name, table in (("predecessor_codebook", target.embed_tokens.weight),
+                            ("successor_codebook", target.lm_head.weight)):
+            codebook, table = weights[f"candidate_selector.{name}"].float(), table.detach().float()
+            least = table @ torch.linalg.lstsq(table, codebook).solution
+            assert torch.allclose(codebook, least, atol=1e-4), name
+    assert not torch.equal(checkpoints[0]["candidate_selector.predecessor_codebook"],
+                           checkpoints[1]["candidate_selector.predecessor_codebook"])
+    monkeypatch.setattr(loop, "is_fsdp", lambda acc: True)
+    with pytest.raises(ConfigError, match="loss.selector_span=embedding projects whole codebooks.*selector_span=free"):
+        train(job_for(workdir, "span-fsdp", *SMALL, "train.max_steps=1", "loss.selector_span=embedding",
+                      target="tiny_qwen3"))
