@@ -25,6 +25,7 @@ the codebooks' weight decay (dflash.train.optim.build_optimizer).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,12 +38,14 @@ from dflash.config.model import SELECTOR_CHOICES
 @dataclass(frozen=True)
 class SelectorOptions:
     """How the selector's loss is formed (loss.selector_gradient, selector_gold, selector_dropout,
-    selector_weights; this module's docstring says what each does)."""
+    selector_weights; this module's docstring says what each does), and `shrink` (loss.selector_shrink) the weight of
+    the pairwise term in the choice the metrics score: the served drafter's (`served_weights`)."""
 
     gradient: str = "coupled"
     gold: str = "inject"
     dropout: float = 0.0
     weights: str = "decay"
+    shrink: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("gradient", "gold", "weights"):
@@ -139,7 +142,8 @@ def _selector_loss(selector, hidden, unary, both, labels, prev, options: Selecto
     hit = cand == gold[:, None]
     held = hit.any(-1)
     h = hidden.detach() if options.gradient == "stop" else hidden
-    scores = selector.scores(h, unary, both, prev, dropout=options.dropout)
+    pair = selector.pairwise(h, prev, both, dropout=options.dropout).float()
+    scores = unary.float() + pair  # selector.scores: the loss trains the pairwise term at weight 1
     # the loss's K: the top-K when it holds the gold (its extra column dropped), else the gold in the K-th's place
     dropped = torch.where(held, K, K - 1)
     place = torch.where(held, hit.int().argmax(-1), K)
@@ -147,7 +151,8 @@ def _selector_loss(selector, hidden, unary, both, labels, prev, options: Selecto
     counted = held if options.gold == "strict" else torch.ones_like(held)
     if options.gold == "strict":
         ce = torch.where(counted, ce, torch.zeros_like(ce))
-    choice = cand.gather(-1, scores[:, :K].argmax(-1, keepdim=True))[:, 0]
+    served = scores if options.shrink == 1.0 else unary.float() + options.shrink * pair.detach()
+    choice = cand.gather(-1, served[:, :K].argmax(-1, keepdim=True))[:, 0]
     oracle = torch.where((cand == labels[:, None]).any(-1), labels, torch.full_like(labels, -1))
     return SelectorTerms(ce, choice, oracle, counted)
 
@@ -161,6 +166,37 @@ def schedule_weight(step: int, total_steps: int, weight: float, warmup_ratio: fl
     if step < start:
         return 0.0
     return weight if ramp <= 0 else weight * min(1.0, (step - start) / ramp)
+
+
+PREDECESSOR_KEY = "candidate_selector.predecessor_codebook"
+
+
+def served_weights(state_dict: dict, shrink: float) -> dict:
+    """The drafter's weights as served with loss.selector_shrink: the predecessor codebook times `shrink`, so the
+    pairwise term (linear in it) is the trained one times `shrink` in the published layout, which servers read
+    unchanged. Training's own copy (the float32 weights a resume reads) keeps the trained codebook."""
+    if shrink == 1.0 or PREDECESSOR_KEY not in state_dict:
+        return state_dict
+    return {**state_dict, PREDECESSOR_KEY: state_dict[PREDECESSOR_KEY] * shrink}
+
+
+@contextmanager
+def served_selector(drafter, shrink: float):
+    """Inside the block the drafter's predecessor codebook is `served_weights`' (in-run evaluation scores the
+    drafter as it will be served); after it, the trained codebook exactly as it was."""
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None or shrink == 1.0:
+        yield drafter
+        return
+    codebook = selector.predecessor_codebook
+    kept = codebook.detach().clone()
+    with torch.no_grad():
+        codebook.mul_(shrink)
+    try:
+        yield drafter
+    finally:
+        with torch.no_grad():
+            codebook.copy_(kept)
 
 
 class CodebookSpan:

@@ -24,7 +24,7 @@ from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
-from dflash.drafter.selector_loss import CodebookSpan
+from dflash.drafter.selector_loss import CodebookSpan, served_selector, served_weights
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
@@ -285,7 +285,8 @@ def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout,
     if acc.is_main_process and heldout_set is not None:
         from dflash.evaluate.runner import evaluate_in_run
 
-        summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
+        with served_selector(drafter, job.loss.selector_shrink):  # the drafter as its checkpoint will serve it
+            summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
     del drafter
     current().wait_long("eval")  # the others wait for as long as the held-out set takes, not a collective's timeout
     return summary
@@ -309,7 +310,8 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
     dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
     weights = {k: v.cpu() for k, v in weights.items()} if acc.is_main_process else {}
     path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, job.train.save_dtype,
-                                save_state=lambda folder: acc.save_state(str(folder)), dist=dist)
+                                save_state=lambda folder: acc.save_state(str(folder)), dist=dist,
+                                servable=served_weights(weights, job.loss.selector_shrink))
     if acc.is_main_process:
         best = tau is not None and tau == state.best_tau
         if best:

@@ -132,7 +132,7 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     sel = {}
     if selector is not None:  # DFlash 2: the selector's CE, the mean over its slot weights, at the scheduled weight
         sel = {"selector": selector, "selector_options": SelectorOptions(
-            cfg.selector_gradient, cfg.selector_gold, cfg.selector_dropout, cfg.selector_weights)}
+            cfg.selector_gradient, cfg.selector_gold, cfg.selector_dropout, cfg.selector_weights, cfg.selector_shrink)}
         weight_now = schedule_weight(state.step, state.total_steps, cfg.selector_weight, cfg.selector_warmup_ratio,
                                      cfg.selector_ramp_ratio)
         # decay weights, every row counted: the normaliser is the step's, known on the host before the forwards

@@ -266,3 +266,43 @@ def test_the_codebook_span_keeps_the_codebooks_in_the_span_of_the_targets_token_
     whole.load_state_dict(before)
     CodebookSpan(whole, embedding, head if successor else None)
     assert all(torch.allclose(p, projected[n], atol=1e-5) for n, p in whole.named_parameters())
+
+
+def test_shrink_scores_the_served_choice_and_leaves_the_loss_as_trained():
+    """loss.selector_shrink s: the loss (and its gradient) is the one at weight 1; the choice the metrics score is the
+    best of unary + s x pairwise over the top-K (s = 0: the unary argmax), as the served drafter (its predecessor
+    codebook times s) chooses; served_weights scales that codebook alone, served_selector restores it exactly."""
+    from dflash.drafter.selector_loss import served_selector, served_weights
+
+    sel, hidden, W, labels, mask = case(6)
+    h, y, prev = hidden.reshape(-1, H)[:30], labels.reshape(-1)[:30], labels.reshape(-1)[30:60]
+    logits = h @ W.T
+    _, full = selector_ce(sel, h, logits, y, prev)
+    choices = {}
+    for s in (0.0, 0.4):
+        _, shrunk = selector_ce(sel, h, logits, y, prev, options=SelectorOptions(shrink=s))
+        assert torch.equal(shrunk.ce, full.ce)
+        unary, cand = logits.topk(5, dim=-1)
+        expected = cand.gather(-1, (unary + s * sel.pairwise(h, prev, cand)).argmax(-1, keepdim=True))[:, 0]
+        assert torch.equal(shrunk.choice, expected)
+        choices[s] = shrunk.choice
+    assert torch.equal(choices[0.0], logits.argmax(-1))
+    assert not torch.equal(choices[0.4], full.choice) or not torch.equal(choices[0.0], full.choice)
+
+    class Drafter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.candidate_selector = sel
+
+    drafter = Drafter()
+    weights = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    served = served_weights(weights, 0.4)
+    assert set(served) == set(weights)
+    for key, value in served.items():
+        factor = 0.4 if key.endswith("predecessor_codebook") else 1.0
+        assert torch.equal(value, weights[key] * factor) if factor != 1.0 else value is weights[key]
+    assert served_weights(weights, 1.0) is weights
+    with served_selector(drafter, 0.4):
+        assert torch.equal(sel.predecessor_codebook, served["candidate_selector.predecessor_codebook"])
+        assert torch.equal(sel.successor_codebook, weights["candidate_selector.successor_codebook"])
+    assert all(torch.equal(v, weights[k]) for k, v in drafter.state_dict().items())

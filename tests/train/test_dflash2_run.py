@@ -205,3 +205,31 @@ def test_the_codebook_span_holds_through_training_and_fsdp_is_refused(workdir, m
     with pytest.raises(ConfigError, match="loss.selector_span=embedding projects whole codebooks.*selector_span=free"):
         train(job_for(workdir, "span-fsdp", *SMALL, "train.max_steps=1", "loss.selector_span=embedding",
                       target="tiny_qwen3"))
+
+
+def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(workdir, monkeypatch):
+    """loss.selector_shrink=0.5: the checkpoint's servable predecessor codebook is the trained one (its float32 copy,
+    which a resume reads) times 0.5, every other weight as trained; the in-run evaluation scores that served
+    codebook, and training goes on with the trained one (the resumed run's next checkpoint again serves half of its
+    float32 copy)."""
+    from dflash.evaluate import runner
+    from dflash.layout import CheckpointLayout
+
+    seen, real = [], runner.evaluate_in_run
+
+    def spy(job, drafter, *args, **kwargs):
+        seen.append(drafter.candidate_selector.predecessor_codebook.detach().clone())
+        return real(job, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_in_run", spy)
+    overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "loss.selector_shrink=0.5")
+    run = train(job_for(workdir, "shrink", *overrides, "train.max_steps=2", target="tiny_qwen3"))
+    train(job_for(workdir, "shrink", *overrides, "train.max_steps=3", "train.resume=latest", target="tiny_qwen3"))
+    key = "candidate_selector.predecessor_codebook"
+    checkpoints = [c for _, c in RunLayout(run).list_checkpoints()]
+    assert len(checkpoints) == 2 and len(seen) == 3  # step 0 (debug=tiny evaluates at the start), 2 and 3
+    for folder, evaluated in zip(checkpoints, seen[1:]):
+        served = load_file(folder / "model.safetensors")
+        trained = load_file(CheckpointLayout(folder).state_file(CheckpointLayout.EXACT_WEIGHTS))
+        assert torch.equal(served[key], trained[key] * 0.5) and torch.equal(evaluated, served[key])
+        assert all(torch.equal(served[k], trained[k]) for k in trained if k != key)
