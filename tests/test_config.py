@@ -192,13 +192,13 @@ def test_cross_field_checks(make, needle):
 def test_the_selector_defaults_are_todays_training():
     """The loss.selector_* keys' defaults: coupled gradients (issue 50's sweep made them the default), gold
     injected, no schedule, normal init, decay weights, data labels, the codebooks decayed as any matrix, no
-    dropout, the pairwise term served as trained, free codebook rows."""
+    dropout, the pairwise term served at 0.6 of the trained one (the same sweep), free codebook rows."""
     loss = compose("train", ["drafter=dflash2"]).loss
     assert {k: getattr(loss, k) for k in vars(loss) if k.startswith("selector_")} == {
         "selector_weight": 1.0, "selector_gradient": "coupled", "selector_gold": "inject",
         "selector_warmup_ratio": 0.0, "selector_ramp_ratio": 0.0, "selector_init": "normal",
         "selector_weights": "decay", "selector_labels": "data", "selector_decay": None, "selector_dropout": 0.0,
-        "selector_shrink": 1.0, "selector_span": "free"}
+        "selector_shrink": 0.6, "selector_span": "free"}
 
 
 def test_gamma_defaults_by_block_size():

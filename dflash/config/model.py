@@ -232,11 +232,11 @@ class LossConfig:
     """dflash2: AdamW weight decay of the two codebooks; null = optim.weight_decay, as any matrix."""
     selector_dropout: float = 0.0
     """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
-    selector_shrink: float = 1.0
+    selector_shrink: float = 0.6
     """dflash2: the served selector's pairwise term is the trained one times this (its predecessor codebook scaled
     in every checkpoint's servable weights and in in-run evaluation; training's scores and its float32 copy keep
     the trained one); train/tau scores the choice with it. Below 1 it shrinks a selector that over-fits its
-    training answers towards the unary scores."""
+    training answers towards the unary scores: 0.6 (issue 50's sweep, docs/dflash2.md); 1 serves it as trained."""
     selector_span: str = "free"
     """dflash2: free (each token's codebook rows its own) or embedding (after every optimizer step each codebook is
     projected onto the span of the target's token vectors, its embeddings for the predecessor's and its head's rows

@@ -151,7 +151,7 @@ def test_the_selector_choices_reach_the_loss_and_the_run_records_them(workdir, m
             "loss.selector_decay=0.5", "loss.selector_warmup_ratio=0.5")
     run = train(job_for(workdir, "choices", *SMALL, "loss=dpace", "train.mode=online", "train.max_steps=4",
                         "train.save_every=2", "train.batch_size=2", *keys, target="tiny_qwen3"))
-    assert {options for options, _, _ in seen} == {SelectorOptions("coupled", "strict", 0.1, "follow")}
+    assert {options for options, _, _ in seen} == {SelectorOptions("coupled", "strict", 0.1, "follow", 0.6)}
     assert all(labels is not None and labels.shape == rows.shape for _, labels, rows in seen)
     recorded = (run / "config.yaml").read_text()
     for key in keys:
@@ -233,3 +233,24 @@ def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(w
         trained = load_file(CheckpointLayout(folder).state_file(CheckpointLayout.EXACT_WEIGHTS))
         assert torch.equal(served[key], trained[key] * 0.5) and torch.equal(evaluated, served[key])
         assert all(torch.equal(served[k], trained[k]) for k in trained if k != key)
+
+
+def test_the_shrink_sweep_serves_a_trained_run_at_another_shrink(workdir):
+    """sweeps/selector_shrink.py's copy of a checkpoint (the previous test's run, trained at 0.5): its servable
+    predecessor codebook is the float32 one times the new value, every other weight the checkpoint's own."""
+    import importlib.util
+
+    from dflash.layout import CheckpointLayout
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("selector_shrink", REPO / "sweeps" / "selector_shrink.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    checkpoint = RunLayout(workdir / "runs" / "shrink").list_checkpoints()[-1][1]
+    copy = sweep.shrunk_copy(checkpoint, 0.25, workdir / "shrunk-0.25")
+    key = "candidate_selector.predecessor_codebook"
+    served, original = load_file(copy / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    trained = load_file(CheckpointLayout(checkpoint).state_file(CheckpointLayout.EXACT_WEIGHTS))
+    assert torch.equal(served[key], trained[key] * 0.25)
+    assert all(torch.equal(served[k], original[k]) for k in original if k != key)
+    assert not (copy / "train_state").exists() and (copy / "config.json").exists()
