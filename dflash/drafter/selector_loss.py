@@ -6,18 +6,21 @@ unary scores), so the LM head runs once per row. Per row (hidden h [H], gold tok
 gold token, the anchor at slot 1; teacher forcing): the candidates are the unary top-K, the scores
 unary(c) + P[a] (W h) S[c], and the row loss is the CE of the gold token's place among them.
 
-- gradient: `coupled` (the public trainers' default, and ours since issue 50) lets the selector's gradient reach the unary scores too, so
-  the drafter's logits learn to rank what the selector needs. That gradient is K-sparse: `_SparseUnary` adds it
-  into the per-slot loss's own dense logits gradient with one scatter-add, where autograd's gather would make a
-  second dense [rows, V] gradient and add the two (1.8x the DFlash step on the CPU benchmark). `detach_unary`
-  takes the unary scores as constants (the per-slot loss trains them; the selector trains the codebooks, the
-  projection and, through it, the hidden states). `stop` detaches the hidden states too: the selector's loss then
-  trains its own parameters only.
+- gradient: `coupled` (the public trainers' default, and ours since issue 50) lets the selector's gradient reach
+  the unary scores too, so the drafter's logits learn to rank what the selector needs. That gradient is K-sparse:
+  `_SparseUnary` adds it into the per-slot loss's own dense logits gradient with one scatter-add, where autograd's
+  gather would make a second dense [rows, V] gradient and add the two (1.8x the DFlash step on the CPU
+  benchmark). `detach_unary` takes the unary scores as constants (the per-slot loss trains them; the selector
+  trains the codebooks, the projection and, through it, the hidden states). `stop` detaches the hidden states
+  too: the selector's loss then trains its own parameters only.
 - gold: `inject` puts a gold token missing from the top-K in the K-th's place, in the loss only (speculators);
   `strict` gives such a row no loss, and its weight leaves the normaliser (SpecForge).
 - dropout on the predecessor's codebook row, a regulariser of training only (decoding's scores have none).
 - weights: the selector's slot weights, `decay` (exp(-(k-1)/gamma), always) or `follow` (the per-slot loss's:
   decay or D-PACE, `loss.weighting`). The loss is their weighted mean (dflash.train.step normalises it).
+- shrink: the pairwise term's weight in what is served (`served_weights`, `served_selector`) and in the choice the
+  metrics score; the loss keeps weight 1.
+- span: the codebooks kept in the span of the target's token vectors (`CodebookSpan`, after each optimizer step).
 The other selector keys act elsewhere: its weight's schedule (`schedule_weight`, read by dflash.train.step), its
 gold tokens from the target (dflash.train.step.target_argmax), the successor codebook's init (build_drafter) and
 the codebooks' weight decay (dflash.train.optim.build_optimizer).

@@ -47,8 +47,9 @@ def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, state:
     main process, each process's RNG; under FSDP gathering the shards, a collective), then the main process
     writes the drafter (servable weights cast to `save_dtype`), the float32 weights, `state` and `manifest`
     (which only it needs to hold), fsyncs and renames. `servable`: the weights to serve where they are not the
-    float32 ones (loss.selector_shrink, selector_loss.served_weights). The other processes return before the rename. With
-    several nodes the run folder must be one filesystem they share (each process writes its own RNG file)."""
+    float32 ones (loss.selector_shrink, selector_loss.served_weights). The other processes return before the
+    rename. With several nodes the run folder must be one filesystem they share (each process writes its own RNG
+    file)."""
     dist = dist or Dist()
     final = run.checkpoint(step).path
     tmp = CheckpointLayout(final.parent / f".tmp-{final.name}")  # one name: every process writes into it
