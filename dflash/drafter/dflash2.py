@@ -141,9 +141,9 @@ class CandidateSelector(nn.Module):
                  dropout: float = 0.0) -> torch.Tensor:
         """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]. dropout:
         on the predecessor's row P[prev], a regulariser of training only (loss.selector_dropout; decoding has 0)."""
-        pred = F.embedding(prev, self.predecessor_codebook)
+        pred = _CodebookRows.apply(self.predecessor_codebook, prev)
         mixed = (F.dropout(pred, dropout) if dropout > 0 else pred) * self.hidden_projection(hidden)
-        return torch.einsum("...r,...kr->...k", mixed, F.embedding(cand, self.successor_codebook).to(mixed.dtype))
+        return _PairScores.apply(mixed.expand(*cand.shape[:-1], mixed.shape[-1]), self.successor_codebook, cand)
 
     def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
                prev: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
@@ -165,6 +165,83 @@ class CandidateSelector(nn.Module):
         mixed = F.embedding(cand[:, :-1], self.predecessor_codebook) * self.hidden_projection(hidden[:, 1:])[:, :, None]
         pair = torch.einsum("bsir,bsjr->bsij", mixed, F.embedding(cand[:, 1:], self.successor_codebook).to(mixed.dtype))
         return first, unary[:, 1:, None, :].float() + pair.float()
+
+
+def _row_by_row(device: torch.device) -> bool:
+    """The selector's candidate rows a candidate at a time (CPU), or gathered all at once (elsewhere).
+
+    On CPU a gathered [n, K, r] block of codebook rows is memory traffic that dominates the selector (at the 3840
+    rows a step of bench dflash2's toy shape: the gather and its product 32 ms, their gradients 50 ms; a candidate
+    at a time, each [n, r] slice staying in cache: 5 and 4 ms). A GPU has the bandwidth, and one gather is 3 kernels where a loop is 3K."""
+    return device.type == "cpu"
+
+
+def _scatter_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A codebook's gradient [num_rows, r] from its gathered rows' gradients grad [n, r] (index [n]): on CPU an
+    index_add_ (embedding's dense backward sorts the indices first, 2x slower); elsewhere embedding's backward,
+    deterministic on CUDA where index_add_ is not."""
+    if grad.device.type == "cpu":
+        return grad.new_zeros(num_rows, grad.shape[-1]).index_add_(0, index, grad)
+    return torch.ops.aten.embedding_dense_backward(grad, index, num_rows, -1, False)
+
+
+class _CodebookRows(torch.autograd.Function):
+    """F.embedding(index, codebook) [..., r] with `_scatter_rows` as its backward."""
+
+    @staticmethod
+    def forward(ctx, codebook, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = codebook.shape[0]
+        return codebook.index_select(0, index.reshape(-1)).view(*index.shape, codebook.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        rows = _scatter_rows(grad.reshape(-1, grad.shape[-1]), index.reshape(-1), ctx.num_rows)
+        return rows, None
+
+
+class _PairScores(torch.autograd.Function):
+    """sum_r mixed[..., r] S[cand[..., k], r]: mixed [..., r], codebook S [V, r], cand [..., K] -> [..., K], in
+    mixed's dtype, with its gradients written out (`_row_by_row` says how the rows are read). The gradient of mixed,
+    sum_k g[k] S[cand[k]], is embedding_bag's weighted sum: no [n, K, r] block in either case. Autograd through
+    F.embedding and einsum made that block four times (the rows, their gradient as a batched outer product, its
+    transpose, embedding's backward)."""
+
+    @staticmethod
+    def forward(ctx, mixed, codebook, cand):
+        lead, K, r = cand.shape[:-1], cand.shape[-1], codebook.shape[1]
+        flat, m = cand.reshape(-1, K), mixed.reshape(-1, r)
+        ctx.save_for_backward(m, codebook, flat)
+        ctx.lead = lead
+        if _row_by_row(m.device):
+            out = torch.stack([(codebook.index_select(0, flat[:, k]).to(m.dtype) * m).sum(-1) for k in range(K)], 1)
+        else:
+            rows = codebook.index_select(0, flat.reshape(-1)).view(-1, K, r).to(m.dtype)
+            out = torch.bmm(rows, m.unsqueeze(-1)).squeeze(-1)
+        return out.view(*lead, K)
+
+    @staticmethod
+    def backward(ctx, grad):
+        m, codebook, flat = ctx.saved_tensors
+        K, r = flat.shape[1], m.shape[1]
+        g = grad.reshape(-1, K)
+        grad_mixed = grad_codebook = None
+        if ctx.needs_input_grad[0]:
+            table = codebook if codebook.dtype == m.dtype else codebook.to(m.dtype)
+            grad_mixed = F.embedding_bag(flat, table, mode="sum", per_sample_weights=g.to(m.dtype))
+            grad_mixed = grad_mixed.view(*ctx.lead, r)
+        if ctx.needs_input_grad[1]:
+            g = g.to(m.dtype)
+            if _row_by_row(m.device):
+                grad_codebook = torch.zeros(codebook.shape, dtype=m.dtype, device=m.device)
+                for k in range(K):
+                    grad_codebook.index_add_(0, flat[:, k], g[:, k, None] * m)
+            else:
+                outer = (g.unsqueeze(-1) * m.unsqueeze(1)).view(-1, r)
+                grad_codebook = _scatter_rows(outer, flat.reshape(-1), codebook.shape[0])
+            grad_codebook = grad_codebook.to(codebook.dtype)
+        return grad_mixed, grad_codebook, None
 
 
 def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, depth: int | None = None,

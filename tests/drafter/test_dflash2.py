@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.ddtree import build_tree, build_tree_pairwise
+from dflash.drafter import dflash2
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
 from dflash.drafter.build import drafter_config
@@ -239,6 +240,39 @@ def test_convolution_gradients_are_exact():
     base = torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True)
     dyn = torch.randn(2, 8, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b, c: grouped_dynamic_conv(a, b, c, 4, 4), (z, base, dyn))
+
+
+
+@pytest.mark.parametrize("row_by_row", [True, False])
+def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(monkeypatch, row_by_row):
+    """The selector's hand-written backward (repeated tokens, so rows accumulate), both ways of reading the rows
+    (a candidate at a time, CPU's; all at once, a GPU's), against gradcheck and against autograd through
+    F.embedding and einsum, the formula it replaced."""
+    monkeypatch.setattr(dflash2, "_row_by_row", lambda device: row_by_row)
+    g = torch.Generator().manual_seed(3)
+    sel = CandidateSelector(hidden_size=6, vocab_size=5, rank=4, top_k=3).double()
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    h = torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    prev = torch.tensor([[0, 1, 1], [4, 0, 1]])
+    cand = torch.randint(0, 5, (2, 3, 4), generator=g)
+    P, S = sel.predecessor_codebook, sel.successor_codebook
+    assert torch.autograd.gradcheck(lambda *_: sel.pairwise(h, prev, cand), (h, P, S))
+
+    def reference():
+        mixed = F.embedding(prev, P) * sel.hidden_projection(h)
+        return torch.einsum("...r,...kr->...k", mixed, F.embedding(cand, S))
+
+    weights = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    params = [h, P, S, sel.hidden_projection.weight]
+    ours = torch.autograd.grad((sel.pairwise(h, prev, cand) * weights).sum(), params)
+    theirs = torch.autograd.grad((reference() * weights).sum(), params)
+    torch.testing.assert_close(sel.pairwise(h, prev, cand), reference(), rtol=1e-12, atol=1e-12)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # one predecessor for all: the hidden-side factor broadcasts over the candidates' leading shape
+    assert sel.pairwise(h[0, 0], prev[0, 0], cand[0, 0]).shape == (4,)
 
 
 def zero_init_drafter(target, successor_init="zero"):
