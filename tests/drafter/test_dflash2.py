@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from dflash.drafter import dflash2
 from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.ddtree import build_tree, build_tree_pairwise
-from dflash.drafter import dflash2
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
 from dflash.drafter.build import drafter_config
@@ -242,7 +242,6 @@ def test_convolution_gradients_are_exact():
     assert torch.autograd.gradcheck(lambda a, b, c: grouped_dynamic_conv(a, b, c, 4, 4), (z, base, dyn))
 
 
-
 @pytest.mark.parametrize("row_by_row", [True, False])
 def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(monkeypatch, row_by_row):
     """The selector's hand-written backward (repeated tokens, so rows accumulate), both ways of reading the rows
@@ -271,8 +270,8 @@ def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(mo
     torch.testing.assert_close(sel.pairwise(h, prev, cand), reference(), rtol=1e-12, atol=1e-12)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    # one predecessor for all: the hidden-side factor broadcasts over the candidates' leading shape
-    assert sel.pairwise(h[0, 0], prev[0, 0], cand[0, 0]).shape == (4,)
+    # decoding's unbatched call (one slot: hidden [H], the predecessor a scalar) gives the slot's K scores
+    torch.testing.assert_close(sel.pairwise(h[1, 2], prev[1, 2], cand[1, 2]), reference()[1, 2], rtol=1e-12, atol=1e-12)
 
 
 def zero_init_drafter(target, successor_init="zero"):
