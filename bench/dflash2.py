@@ -28,15 +28,16 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.selector_loss import SelectorOptions
 
 SHAPES = {
-    # the default (toy) run's drafter: 2 layers, blocks of 16, width 128, vocabulary 2048, the published rank 256:
-    # codebooks (2 x 2048 x 256) larger than the drafter itself, the worst case for the selector
+    # the default (toy) run's drafter: 2 layers, blocks of 16, width 128, vocabulary 2048, the published rank 256,
+    # the kind's 32 candidates: codebooks (2 x 2048 x 256) larger than the drafter itself, the worst case for the
+    # selector
     "toy": {"hidden": 128, "vocab": 2048, "heads": 1, "head_dim": 128, "layers": 2, "block": 16, "anchors": 256,
-            "rank": 256},
+            "rank": 256, "top_k": 32},
     # Qwen3-8B's proportions at 1/8 of its width (hidden 4096 -> 512, vocabulary 151936 -> 18992, rank 256 -> 32,
-    # MLP 3x, head width 128) with the published DFlash 2 shape (5 layers, blocks of 8): the selector's share of
-    # the parameters (codebooks 2 V r) and of the work is what it is on the real target
+    # MLP 3x, head width 128) with the published DFlash 2 shape (5 layers, blocks of 8, top-16): the selector's
+    # share of the parameters (codebooks 2 V r) and of the work is what it is on the real target
     "qwen3_8b_over_8": {"hidden": 512, "vocab": 18992, "heads": 4, "head_dim": 128, "layers": 5, "block": 8,
-                        "anchors": 256, "rank": 32},
+                        "anchors": 256, "rank": 32, "top_k": 16},
 }
 
 
@@ -52,7 +53,8 @@ def _pair(shape: dict, device):
                   mask_token_id=shape["vocab"] - 1)
     torch.manual_seed(0)
     one = DFlashDraftModel(drafter_config(tcfg, **common))
-    keys = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": shape["rank"], "selector_top_k": 16}
+    keys = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": shape["rank"],
+            "selector_top_k": shape["top_k"]}
     two = DFlashDraftModel(drafter_config(tcfg, **common, dflash2=keys))
     two.load_state_dict(one.state_dict(), strict=False)
     embed = torch.nn.Embedding(shape["vocab"], h).requires_grad_(False)

@@ -24,7 +24,8 @@ def test_the_dflash2_bench_times_the_coupled_step_beside_the_detached_one():
     shape's figures and the headline (a tiny shape here: the figures, not their values)."""
     from bench import dflash2
 
-    shape = {"hidden": 32, "vocab": 64, "heads": 1, "head_dim": 32, "layers": 1, "block": 4, "anchors": 8, "rank": 4}
+    shape = {"hidden": 32, "vocab": 64, "heads": 1, "head_dim": 32, "layers": 1, "block": 4, "anchors": 8, "rank": 4,
+             "top_k": 8}
     out = dflash2.shape_costs("tiny", shape, quick=True, device=torch.device("cpu"))
     assert set(out["train_step_s"]) == {"dflash", "dflash2", "dflash2_coupled"}
     times = out["train_step_s"]  # rounded to 10 us: the ratio of the unrounded medians within 1%

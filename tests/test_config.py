@@ -201,6 +201,16 @@ def test_the_selector_defaults_are_todays_training():
         "selector_shrink": 0.6, "selector_span": "free"}
 
 
+def test_dflash2_takes_32_candidates_and_its_published_presets_16():
+    """drafter.kind=dflash2 on any preset takes 32 candidates (issue 50's sweep on the toy); the presets of the
+    published drafters (drafter=dflash2, drafter=qwen3_6_27b_dflash2) keep their 16."""
+    assert compose("train", ["drafter.kind=dflash2"]).drafter.selector_top_k == 32
+    assert compose("train", ["experiment=qwen3_8b", "data.prompts=x.jsonl",
+                             "drafter.kind=dflash2"]).drafter.selector_top_k == 32
+    for preset in ("dflash2", "qwen3_6_27b_dflash2"):
+        assert compose("train", [f"drafter={preset}"]).drafter.selector_top_k == 16
+
+
 def test_gamma_defaults_by_block_size():
     assert [LossConfig().gamma_for(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
     assert LossConfig(gamma=3.0).gamma_for(12) == 3.0

@@ -119,8 +119,9 @@ class DrafterConfig:
     """dflash2: channels sharing one dynamic tap (groups = hidden / this)."""
     selector_rank: int = 256
     """dflash2: rank r of the selector's predecessor/successor codebooks [vocab, r]."""
-    selector_top_k: int = 16
-    """dflash2: candidates K per slot, the unary top-K of the target head's logits."""
+    selector_top_k: int = 32
+    """dflash2: candidates K per slot, the unary top-K of the target head's logits. 32 since issue 50's sweep (walk
+    tau +0.07 over 16 on the toy, docs/dflash2.md); the published drafters' 16 is the drafter=dflash2 presets'."""
 
     def __post_init__(self) -> None:
         one_of("drafter.kind", self.kind, {"dflash", "dflash2"})
