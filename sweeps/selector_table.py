@@ -1,12 +1,12 @@
 """The selector sweep's table (docs/dflash2.md) from the runs of sweeps/selector.sh.
 
-    python sweeps/selector_table.py runs/selector
+    python sweeps/selector_table.py runs/selector [reference arm, default dflash]
 
 Per arm (the run name before -s<seed>), mean and sample sd over seeds, from each run's final in-run evaluation
-(the 64 held-out prompts, greedy; eval/step-000768/summary.json) and its last 11 log windows (steps 668-768):
+(the 64 held-out prompts, greedy; eval/step-<last>/summary.json) and its last 11 log windows (the last 100 steps):
 walk tau, every-anchor tau, tau_unary, tau_oracle (the oracle gap is oracle - walk), the served-semantics strict
 selector accuracy at slot 1 (eval/acc@1) and train/tau, train/topk_recall; then, prompt by prompt against the
-dflash arm of the same seed (each prompt's walk tau), the prompts it wins and the ones it loses by more than 0.5,
+reference arm of the same seed (each prompt's walk tau), the prompts it wins and the ones it loses by more than 0.5,
 and its worst loss. The s/step column is the median step time of the windows (valid only for runs made alone).
 """
 
@@ -24,10 +24,10 @@ COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle ga
 
 def run_row(run: Path) -> tuple[dict, dict]:
     """(the columns, {prompt: walk tau}) of one run."""
-    summary = json.loads((run / "eval" / "step-000768" / "summary.json").read_text())
+    summary = json.loads((final_eval(run) / "summary.json").read_text())
     m = summary["metrics"]
     windows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train/tau"' in line]
-    last = [w for w in windows if w["step"] >= 668]
+    last = [w for w in windows if w["step"] >= windows[-1]["step"] - 100] if windows else []
     mean = lambda key: statistics.mean(w[key] for w in last) if last and key in last[0] else None  # noqa: E731
     rate = statistics.median(w["train/anchors_per_s"] for w in windows) if windows else None
     train = yaml.safe_load((run / "config.yaml").read_text())["train"]
@@ -40,13 +40,19 @@ def run_row(run: Path) -> tuple[dict, dict]:
     return row, {pid: t["tau"] for pid, t in summary["per_prompt"].items() if "tau" in t}
 
 
-def main(root: str) -> None:
+def final_eval(run: Path) -> Path:
+    """The run's last in-run evaluation folder (eval/step-<largest>; the one at step 0 does not count)."""
+    steps = sorted(p for p in (run / "eval").glob("step-*") if p.name != "step-000000")
+    return steps[-1] if steps else run / "eval" / "none"
+
+
+def main(root: str, reference: str = "dflash") -> None:
     arms: dict[str, dict[int, tuple[dict, dict]]] = {}
     for run in sorted(Path(root).iterdir()):
         match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-        if match and (run / "eval" / "step-000768" / "summary.json").exists():
+        if match and (final_eval(run) / "summary.json").exists():
             arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run)
-    print("| arm | seeds | " + " | ".join(COLUMNS) + " | prompts won / lost by > 0.5 vs dflash | worst |")
+    print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
     for arm, seeds in arms.items():
         cells = []
@@ -55,13 +61,13 @@ def main(root: str) -> None:
             cells.append("" if not vals else f"{statistics.mean(vals):.3f}" + (
                 f" ({statistics.stdev(vals):.3f})" if len(vals) > 1 else ""))
         versus, worst = "", ""
-        if arm != "dflash" and "dflash" in arms:
+        if arm != reference and reference in arms:
             won = lost = 0
             low = 0.0
             for seed, (_, prompts) in seeds.items():
-                if seed not in arms["dflash"]:
+                if seed not in arms[reference]:
                     continue
-                base = arms["dflash"][seed][1]
+                base = arms[reference][seed][1]
                 diffs = [prompts[p] - base[p] for p in prompts if p in base]
                 won += sum(d > 0 for d in diffs)
                 lost += sum(d < -0.5 for d in diffs)
@@ -71,4 +77,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
