@@ -167,14 +167,22 @@ class CandidateSelector(nn.Module):
         return first, unary[:, 1:, None, :].float() + pair.float()
 
 
-def _row_by_row(device: torch.device) -> bool:
-    """The selector's candidate rows a candidate at a time (CPU), or gathered all at once (elsewhere).
+ROW_BY_ROW_MIN = 2**18
+"""The gathered block (n K r values) from which `_row_by_row` reads a candidate at a time on CPU: 1 MiB of float32,
+about what a core's cache holds."""
 
-    On CPU a gathered [n, K, r] block of codebook rows is memory traffic that dominates the selector (at the 3840
-    rows a step of bench dflash2's toy shape: the gather and its product 32 ms, their gradients 50 ms; a candidate
-    at a time, each [n, r] slice staying in cache: 5 and 4 ms). A GPU has the bandwidth, and one gather is 3
-    kernels where a loop is 3K."""
-    return device.type == "cpu"
+
+def _row_by_row(device: torch.device, block: int) -> bool:
+    """The selector's candidate rows a candidate at a time (CPU, a gathered block of `block` = n K r values at least
+    ROW_BY_ROW_MIN), or gathered all at once (smaller blocks, and other devices).
+
+    On CPU a gathered [n, K, r] block of codebook rows larger than the cache is memory traffic that dominates the
+    selector (at the 3840 rows a step of bench dflash2's toy shape: the gather and its product 32 ms, their
+    gradients 50 ms; a candidate at a time, each [n, r] slice staying in cache: 5 and 4 ms). A small block (a
+    decoding step's first slot: one row) stays in cache gathered, and there a loop of K reads is K times the
+    per-call overhead (0.5 ms of the walk's 0.9 at K = 16, bench dflash2's Qwen3-8B shape). A GPU has the
+    bandwidth, and one gather is 3 kernels where a loop is 3K."""
+    return device.type == "cpu" and block >= ROW_BY_ROW_MIN
 
 
 def _scatter_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -215,7 +223,7 @@ class _PairScores(torch.autograd.Function):
         flat, m = cand.reshape(-1, K), mixed.reshape(-1, r)
         ctx.save_for_backward(m, codebook, flat)
         ctx.lead = lead
-        if _row_by_row(m.device):
+        if _row_by_row(m.device, flat.numel() * r):
             out = torch.stack([(codebook.index_select(0, flat[:, k]).to(m.dtype) * m).sum(-1) for k in range(K)], 1)
         else:
             rows = codebook.index_select(0, flat.reshape(-1)).view(-1, K, r).to(m.dtype)
@@ -234,7 +242,7 @@ class _PairScores(torch.autograd.Function):
             grad_mixed = grad_mixed.view(*ctx.lead, r)
         if ctx.needs_input_grad[1]:
             g = g.to(m.dtype)
-            if _row_by_row(m.device):
+            if _row_by_row(m.device, flat.numel() * r):
                 grad_codebook = torch.zeros(codebook.shape, dtype=m.dtype, device=m.device)
                 for k in range(K):
                     grad_codebook.index_add_(0, flat[:, k], g[:, k, None] * m)

@@ -247,7 +247,7 @@ def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(mo
     """The selector's hand-written backward (repeated tokens, so rows accumulate), both ways of reading the rows
     (a candidate at a time, CPU's; all at once, a GPU's), against gradcheck and against autograd through
     F.embedding and einsum, the formula it replaced."""
-    monkeypatch.setattr(dflash2, "_row_by_row", lambda device: row_by_row)
+    monkeypatch.setattr(dflash2, "_row_by_row", lambda device, block: row_by_row)
     g = torch.Generator().manual_seed(3)
     sel = CandidateSelector(hidden_size=6, vocab_size=5, rank=4, top_k=3).double()
     with torch.no_grad():
@@ -272,6 +272,24 @@ def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(mo
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # decoding's unbatched call (one slot: hidden [H], the predecessor a scalar) gives the slot's K scores
     torch.testing.assert_close(sel.pairwise(h[1, 2], prev[1, 2], cand[1, 2]), reference()[1, 2], rtol=1e-12, atol=1e-12)
+
+
+def test_the_selector_reads_rows_one_candidate_at_a_time_only_for_blocks_larger_than_the_cache(monkeypatch):
+    """Decoding's first-slot scores (one row of K candidates) are one gather, not a loop of K reads (the loop made
+    the walk 5x slower at bench dflash2's Qwen3-8B shape); a training step's thousands of rows are read a candidate
+    at a time on CPU; other devices always gather."""
+    sel = CandidateSelector(hidden_size=8, vocab_size=64, rank=256, top_k=32)
+    reads = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, d, i: reads.append(i.numel()) or real(t, d, i))
+    cand = torch.randint(0, 64, (32,))
+    with torch.no_grad():
+        sel.pairwise(torch.randn(8), torch.tensor(3), cand)
+    assert reads == [1, 32]  # the predecessor's row, then the candidates' rows at once
+    rows = dflash2.ROW_BY_ROW_MIN // (32 * 256)
+    assert not dflash2._row_by_row(torch.device("cpu"), 33 * 256)
+    assert dflash2._row_by_row(torch.device("cpu"), rows * 32 * 256)
+    assert not dflash2._row_by_row(torch.device("meta"), 10**9)
 
 
 def zero_init_drafter(target, successor_init="zero"):
