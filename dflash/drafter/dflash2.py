@@ -141,6 +141,10 @@ class CandidateSelector(nn.Module):
                  dropout: float = 0.0) -> torch.Tensor:
         """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]. dropout:
         on the predecessor's row P[prev], a regulariser of training only (loss.selector_dropout; decoding has 0)."""
+        if not torch.is_grad_enabled():  # decoding: no gradients to write out, so no autograd Function's overhead
+            mixed = F.embedding(prev, self.predecessor_codebook) * self.hidden_projection(hidden)
+            rows = F.embedding(cand, self.successor_codebook).to(mixed.dtype)
+            return (rows @ mixed.unsqueeze(-1)).squeeze(-1)
         pred = _CodebookRows.apply(self.predecessor_codebook, prev)
         mixed = (F.dropout(pred, dropout) if dropout > 0 else pred) * self.hidden_projection(hidden)
         return _PairScores.apply(mixed.expand(*cand.shape[:-1], mixed.shape[-1]), self.successor_codebook, cand)
@@ -178,10 +182,10 @@ def _row_by_row(device: torch.device, block: int) -> bool:
 
     On CPU a gathered [n, K, r] block of codebook rows larger than the cache is memory traffic that dominates the
     selector (at the 3840 rows a step of bench dflash2's toy shape: the gather and its product 32 ms, their
-    gradients 50 ms; a candidate at a time, each [n, r] slice staying in cache: 5 and 4 ms). A small block (a
-    decoding step's first slot: one row) stays in cache gathered, and there a loop of K reads is K times the
-    per-call overhead (0.5 ms of the walk's 0.9 at K = 16, bench dflash2's Qwen3-8B shape). A GPU has the
-    bandwidth, and one gather is 3 kernels where a loop is 3K."""
+    gradients 50 ms; a candidate at a time, each [n, r] slice staying in cache: 5 and 4 ms). A small block (a few
+    rows) stays in cache gathered, and there a loop of K reads is K times the per-call overhead (in decoding's
+    one-row call, before decoding skipped these Functions: 0.5 ms of the selector walk's 0.9 at K = 16, bench
+    dflash2's Qwen3-8B shape). A GPU has the bandwidth, and one gather is 3 kernels where a loop is 3K."""
     return device.type == "cpu" and block >= ROW_BY_ROW_MIN
 
 

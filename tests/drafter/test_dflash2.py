@@ -270,21 +270,25 @@ def test_selector_pairwise_gradients_are_exact_and_equal_embedding_and_einsum(mo
     torch.testing.assert_close(sel.pairwise(h, prev, cand), reference(), rtol=1e-12, atol=1e-12)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    # decoding's unbatched call (one slot: hidden [H], the predecessor a scalar) gives the slot's K scores
+    # decoding's unbatched call (one slot: hidden [H], the predecessor a scalar) gives the slot's K scores, as does
+    # its no-gradient path (no autograd Function), batched or not
     torch.testing.assert_close(sel.pairwise(h[1, 2], prev[1, 2], cand[1, 2]), reference()[1, 2], rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(sel.pairwise(h, prev, cand), reference(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sel.pairwise(h[1, 2], prev[1, 2], cand[1, 2]), reference()[1, 2], rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_the_selector_reads_rows_one_candidate_at_a_time_only_for_blocks_larger_than_the_cache(monkeypatch):
-    """Decoding's first-slot scores (one row of K candidates) are one gather, not a loop of K reads (the loop made
-    the walk 5x slower at bench dflash2's Qwen3-8B shape); a training step's thousands of rows are read a candidate
-    at a time on CPU; other devices always gather."""
+    """A small block (one row of K candidates, with gradients) is one gather, not a loop of K reads (the loop was
+    half the selector walk's time at bench dflash2's Qwen3-8B shape before decoding skipped the autograd Functions);
+    a training step's thousands of rows are read a candidate at a time on CPU; other devices always gather."""
     sel = CandidateSelector(hidden_size=8, vocab_size=64, rank=256, top_k=32)
     reads = []
     real = torch.Tensor.index_select
     monkeypatch.setattr(torch.Tensor, "index_select", lambda t, d, i: reads.append(i.numel()) or real(t, d, i))
     cand = torch.randint(0, 64, (32,))
-    with torch.no_grad():
-        sel.pairwise(torch.randn(8), torch.tensor(3), cand)
+    sel.pairwise(torch.randn(8), torch.tensor(3), cand)
     assert reads == [1, 32]  # the predecessor's row, then the candidates' rows at once
     rows = dflash2.ROW_BY_ROW_MIN // (32 * 256)
     assert not dflash2._row_by_row(torch.device("cpu"), 33 * 256)
