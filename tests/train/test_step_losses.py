@@ -66,7 +66,9 @@ def test_the_fused_chunked_ce_trains_as_the_recomputed_chunks(workdir, monkeypat
     ran = len(calls)
     recomputed = train(job_for(workdir, f"recomputed-ce-{kind}", *common, "loss.fused_ce=false"))
     assert ran >= 2 and len(calls) == ran  # the training steps' losses went through it, and only with the key on
-    assert max(abs(x - y) for x, y in zip(losses(fused), losses(recomputed))) < 1e-6
+    # the same sums in another order: float32 rounding of losses near 5.6, whose unit in the last place is 4.8e-7,
+    # reached 1.1e-6 on one machine's CPU (2.3 units); a lost or doubled term moves them by 1e-3 or more
+    assert max(abs(x - y) for x, y in zip(losses(fused), losses(recomputed))) < 1e-5
     wa, wb = weights(fused), weights(recomputed)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
