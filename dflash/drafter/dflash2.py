@@ -141,12 +141,12 @@ class CandidateSelector(nn.Module):
                  dropout: float = 0.0) -> torch.Tensor:
         """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]. dropout:
         on the predecessor's row P[prev], a regulariser of training only (loss.selector_dropout; decoding has 0)."""
-        if not torch.is_grad_enabled():  # decoding: no gradients to write out, so no autograd Function's overhead
-            mixed = F.embedding(prev, self.predecessor_codebook) * self.hidden_projection(hidden)
-            rows = F.embedding(cand, self.successor_codebook).to(mixed.dtype)
-            return (rows @ mixed.unsqueeze(-1)).squeeze(-1)
-        pred = _CodebookRows.apply(self.predecessor_codebook, prev)
+        grad = torch.is_grad_enabled()  # without gradients (decoding) no autograd Function's overhead
+        P = self.predecessor_codebook
+        pred = _CodebookRows.apply(P, prev) if grad else F.embedding(prev, P)
         mixed = (F.dropout(pred, dropout) if dropout > 0 else pred) * self.hidden_projection(hidden)
+        if not grad:
+            return (F.embedding(cand, self.successor_codebook).to(mixed.dtype) @ mixed.unsqueeze(-1)).squeeze(-1)
         return _PairScores.apply(mixed.expand(*cand.shape[:-1], mixed.shape[-1]), self.successor_codebook, cand)
 
     def scores(self, hidden: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
