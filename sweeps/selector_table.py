@@ -41,8 +41,10 @@ def run_row(run: Path) -> tuple[dict, dict]:
 
 
 def final_eval(run: Path) -> Path:
-    """The run's last in-run evaluation folder (eval/step-<largest>; the one at step 0 does not count)."""
-    steps = sorted(p for p in (run / "eval").glob("step-*") if p.name != "step-000000")
+    """The run's last in-run evaluation folder (eval/step-<largest>; the one at step 0 does not count, nor the
+    folders of later evaluate.py calls at other settings, e.g. step-000768-t1)."""
+    steps = sorted(p for p in (run / "eval").glob("step-*")
+                   if re.fullmatch(r"step-\d+", p.name) and p.name != "step-000000")
     return steps[-1] if steps else run / "eval" / "none"
 
 
