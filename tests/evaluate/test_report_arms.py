@@ -38,3 +38,20 @@ def test_dflash2_arms_carry_their_unary_and_oracle_taus():
         r["evals"][8]["metrics"].update({"eval/tau_unary": unary, "eval/tau_oracle": 6.0})
     a, b = arm_rows(runs, differing_keys(runs))[1]
     assert a["tau_unary"] is None and b["tau_unary"] == 3.25 and b["tau_oracle"] == 6.0 and b["tau_oracle sd"] == 0.0
+
+
+def test_a_run_evaluated_again_at_a_temperature_keeps_its_greedy_curve(tmp_path):
+    """`python evaluate.py ... eval.temperature=1.0` writes eval/step-000008-t1/ at the run's step: the report's
+    final tau stays the in-run (greedy) evaluation of eval/step-000008/, not whichever folder sorts last."""
+    import json
+
+    from dflash.evaluate.report import load_run
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 8, "train/loss": 1.0}) + "\n")
+    for folder, tau in (("step-000004", 1.5), ("step-000008", 2.0), ("step-000008-t1", 1.2),
+                        ("step-000008-t0.6-unary", 1.1)):
+        (tmp_path / "eval" / folder).mkdir(parents=True)
+        summary = {"mode": "teacher_forced", "step": int(folder[5:11]), "metrics": {"eval/tau": tau}}
+        (tmp_path / "eval" / folder / "summary.json").write_text(json.dumps(summary))
+    run = load_run(tmp_path)
+    assert {s: e["metrics"]["eval/tau"] for s, e in run["evals"].items()} == {4: 1.5, 8: 2.0}
