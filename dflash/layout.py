@@ -175,6 +175,16 @@ class RunLayout:
     def eval_summaries(self) -> list[Path]:
         return sorted(self.path.glob("eval/step-*/summary.json"))
 
+    def step_evaluations(self) -> list[tuple[int, Path]]:
+        """(step, summary.json) of the run's evaluations at its own settings (eval/step-<digits>: in-run, or
+        evaluate.py without other settings), oldest first; not those at other settings (step-000768-t1, -live)."""
+        found = []
+        for p in self.eval_summaries():
+            m = STEP_DIR.fullmatch(p.parent.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
     @classmethod
     def of_checkpoint(cls, checkpoint: Path) -> RunLayout:
         """The run folder a checkpoint folder sits in (`is_run()` is false for a drafter outside any run)."""

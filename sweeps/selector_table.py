@@ -18,13 +18,15 @@ from pathlib import Path
 
 import yaml
 
+from dflash.layout import RunLayout
+
 COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle gap", "acc@1", "train/tau",
            "train/topk_recall", "s/step")
 
 
 def run_row(run: Path) -> tuple[dict, dict]:
     """(the columns, {prompt: walk tau}) of one run."""
-    summary = json.loads((final_eval(run) / "summary.json").read_text())
+    summary = json.loads(final_eval(run).read_text())
     m = summary["metrics"]
     windows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train/tau"' in line]
     last = [w for w in windows if w["step"] >= windows[-1]["step"] - 100] if windows else []
@@ -40,19 +42,18 @@ def run_row(run: Path) -> tuple[dict, dict]:
     return row, {pid: t["tau"] for pid, t in summary["per_prompt"].items() if "tau" in t}
 
 
-def final_eval(run: Path) -> Path:
-    """The run's last in-run evaluation folder (eval/step-<largest>; the one at step 0 does not count, nor the
-    folders of later evaluate.py calls at other settings, e.g. step-000768-t1)."""
-    steps = sorted(p for p in (run / "eval").glob("step-*")
-                   if re.fullmatch(r"step-\d+", p.name) and p.name != "step-000000")
-    return steps[-1] if steps else run / "eval" / "none"
+def final_eval(run: Path) -> Path | None:
+    """The summary.json of the run's last in-run evaluation (eval/step-<largest>; the one at step 0 does not count,
+    nor those of later evaluate.py calls at other settings, e.g. step-000768-t1), or None."""
+    steps = [p for step, p in RunLayout(run).step_evaluations() if step > 0]
+    return steps[-1] if steps else None
 
 
 def main(root: str, reference: str = "dflash") -> None:
     arms: dict[str, dict[int, tuple[dict, dict]]] = {}
     for run in sorted(Path(root).iterdir()):
         match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-        if match and (final_eval(run) / "summary.json").exists():
+        if match and final_eval(run) is not None:
             arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run)
     print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))

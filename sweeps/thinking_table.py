@@ -14,6 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from dflash.layout import RunLayout
+
 SLICES = ("on", "off")
 
 
@@ -22,7 +24,7 @@ def summary_of(run: Path) -> dict | None:
     while the run is unfinished (no checkpoints/best.json: its step-0 evaluation may already have both slices)."""
     if not (run / "checkpoints" / "best.json").exists():
         return None
-    steps = sorted(p for p in run.glob("eval/step-*/summary.json") if re.fullmatch(r"step-\d+", p.parent.name))
+    steps = [p for _, p in RunLayout(run).step_evaluations()]
     metrics = json.loads(steps[-1].read_text())["metrics"] if steps else {}
     return metrics if all(f"eval/slice/thinking/{s}/tau" in metrics for s in SLICES) else None
 

@@ -81,6 +81,16 @@ def test_eval_summaries_are_the_step_evaluations(tmp_path):
                                     for n in ("step-000000", "step-000040", "step-000040-live")]
 
 
+def test_step_evaluations_are_the_runs_own_settings_by_step(tmp_path):
+    """eval/step-<digits> only, by step: not evaluate.py's at other settings (-t1, -t0.6-unary) nor live ones."""
+    run = RunLayout(tmp_path)
+    for name in ("step-000768", "step-000000", "step-000768-t1", "step-000768-t0.6-unary", "step-000768-live"):
+        run.eval_dir(name).mkdir(parents=True)
+        (run.eval_dir(name) / "summary.json").write_text("{}")
+    assert run.step_evaluations() == [(0, run.eval_dir("step-000000") / "summary.json"),
+                                      (768, run.eval_dir("step-000768") / "summary.json")]
+
+
 def test_cache_paths():
     cache = CacheLayout(Path("/w/cache/tiny_qwen3/tiny/features"))
     assert cache.manifest == Path("/w/cache/tiny_qwen3/tiny/features/manifest.json")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 
 from dflash.config import ReportConfig
@@ -43,9 +42,7 @@ def load_run(path: Path) -> dict:
         raise NotFoundError(f"{path} has no metrics.jsonl: not a dflash run folder")
     config = run.trained_config()
     evals = {}
-    for s in run.eval_summaries():
-        if not re.fullmatch(r"step-\d+", s.parent.name):
-            continue  # evaluate.py at other settings (step-000768-t1, -t0.6-unary, -live): not the run's curve
+    for _, s in run.step_evaluations():  # not evaluate.py's at other settings (step-000768-t1): not the run's curve
         summary = json.loads(s.read_text())
         if summary.get("mode", "teacher_forced") == "teacher_forced" and summary.get("step") is not None:
             evals[summary["step"]] = summary
