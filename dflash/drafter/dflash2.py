@@ -226,8 +226,8 @@ class _PairScores(torch.autograd.Function):
         lead, K, r = cand.shape[:-1], cand.shape[-1], codebook.shape[1]
         flat, m = cand.reshape(-1, K), mixed.reshape(-1, r)
         ctx.save_for_backward(m, codebook, flat)
-        ctx.lead = lead
-        if _row_by_row(m.device, flat.numel() * r):
+        ctx.lead, ctx.row_by_row = lead, _row_by_row(m.device, flat.numel() * r)
+        if ctx.row_by_row:
             out = torch.stack([(codebook.index_select(0, flat[:, k]).to(m.dtype) * m).sum(-1) for k in range(K)], 1)
         else:
             rows = codebook.index_select(0, flat.reshape(-1)).view(-1, K, r).to(m.dtype)
@@ -246,7 +246,7 @@ class _PairScores(torch.autograd.Function):
             grad_mixed = grad_mixed.view(*ctx.lead, r)
         if ctx.needs_input_grad[1]:
             g = g.to(m.dtype)
-            if _row_by_row(m.device, flat.numel() * r):
+            if ctx.row_by_row:
                 grad_codebook = torch.zeros(codebook.shape, dtype=m.dtype, device=m.device)
                 for k in range(K):
                     grad_codebook.index_add_(0, flat[:, k], g[:, k, None] * m)
