@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -385,6 +385,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             config.hidden_size, config.vocab_size, int(dflash_value(config, "selector_rank")),
             int(dflash_value(config, "selector_top_k"))) if is_dflash2(config) else None
         self.gradient_checkpointing = False
+        # torch.utils.checkpoint's context_fn for the layers: training's selective checkpointing sets its own
+        # (dflash.drafter.recompute); the default recomputes everything
+        self.checkpoint_contexts = noop_context_fn
         self.post_init()
 
     @property
@@ -478,7 +481,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         for layer in self.layers:
             mask = masks[layer.self_attn.rule]
             if recompute:
-                hidden = checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False,
+                                    context_fn=self.checkpoint_contexts)
             else:
                 hidden = layer(hidden, context, cos, sin, mask, cache)
         if cache is not None:

@@ -116,7 +116,9 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 def _own_block_scores(q, k, mask: ChunkedMask, scale: float) -> torch.Tensor:
     """[b, h_kv, g, n, B, B] float32 scores of each block's queries against its own keys, hidden ones -inf."""
     qb, kb = _query_blocks(q, k.shape[1], mask.block_size), _own_keys(k, mask)
-    s = (qb @ kb.transpose(-1, -2)).float().mul_(scale)
+    # not scaled in place: the product is a matmul's output, which selective checkpointing keeps from the forward
+    # for its replay (dflash.drafter.recompute); masked in place: the scaled copy is this function's own
+    s = (qb @ kb.transpose(-1, -2)).float() * scale
     return s.masked_fill_(~mask.block_mask[:, :, None], NEG_INF)
 
 

@@ -1,0 +1,56 @@
+"""How training recomputes the drafter's layers in backward (train.gradient_checkpointing), kept out of model.py,
+which exports copy and which only calls `torch.utils.checkpoint.checkpoint` with the drafter's `checkpoint_contexts`.
+
+- true (full): each layer keeps its inputs and recomputes everything in backward: its matmuls too, about a third
+  more of the step's FLOPs.
+- selective: each layer keeps its inputs and the outputs of its matmuls and attention (SAVED), and recomputes only
+  the rest (norms, rotary, SiLU x up, casts, DFlash 2's convolutions): memory-bound work, a few percent of the step's
+  time, for 38% of what no checkpointing keeps at the Qwen3-8B and Qwen3.6-27B recipes' layers
+  (dflash.plan.memory.selective_outputs counts it; tests/test_plan.py measures it on CPU).
+  PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`) replays the layer in
+  backward and hands each saved op its output from forward instead of running it again.
+
+What selective checkpointing needs of the layers: an output of a SAVED op is never changed in place. An in-place
+change inside an autograd.Function's forward does not bump the tensor's version, so PyTorch cannot tell: the replay
+would get the changed tensor back and the gradients would be silently wrong (packed_attention's own-block scores
+were scaled in place, 3e-3 off; tests/drafter/test_recompute.py compares every path's gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+_aten = torch.ops.aten
+SAVED = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default,  # linear layers, the own-block scores and values
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,  # the sdpa path's context part (packed_attention)
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,  # train.attention=sdpa on CUDA
+    torch.ops.higher_order.flex_attention,  # flex traced inside a compiled region
+}
+"""The ops whose outputs selective checkpointing keeps: the compute-bound ones."""
+if hasattr(torch.ops.higher_order, "inductor_compiled_code"):  # torch >= 2.10: a compiled region (the drafter's
+    SAVED.add(torch.ops.higher_order.inductor_compiled_code)  # flex attention) runs as this one op under the replay
+
+MODES = (False, True, "selective")
+"""The values train.gradient_checkpointing resolves to (auto is decided before the drafter is built)."""
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+selective_contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
+"""torch.utils.checkpoint's context_fn for selective checkpointing."""
+
+
+def use_checkpointing(drafter: torch.nn.Module, mode) -> None:
+    """Make `drafter` (a DFlashDraftModel) recompute its layers in training as `mode` says: false, true or
+    selective (MODES)."""
+    if mode not in MODES:
+        raise ValueError(f"gradient checkpointing mode {mode!r}: expected one of {MODES}")
+    drafter.gradient_checkpointing = bool(mode)
+    drafter.checkpoint_contexts = selective_contexts if mode == "selective" else noop_context_fn

@@ -1,0 +1,106 @@
+"""train.gradient_checkpointing's modes (dflash.drafter.recompute): the same gradients, and what each replays."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash.drafter.blocks import draft_packed, pack_blocks
+from dflash.drafter.recompute import SAVED, use_checkpointing
+from tests.drafter.test_dflash2 import make_dflash2
+from tests.drafter.test_model import make_drafter
+
+MODES = (False, True, "selective")
+KINDS = {
+    "dflash, sliding and full": lambda: make_drafter(["sliding_attention", "full_attention"], 6),
+    "dflash 2": lambda: make_dflash2(["sliding_attention", "full_attention"], 6),
+}
+
+
+def packed_batch():
+    """Two sequences, 37 blocks: the sdpa path's context attention in three chunks of up to 16 blocks, one of them
+    at anchor 0 (no context key)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 290, (2, 40), generator=g)
+    feats = torch.randn(2, 40, 3 * 64, generator=g)
+    anchors = [torch.arange(0, 38, 2), torch.tensor([0, *range(3, 37, 2)])]
+    blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([40, 38]), anchors, 8, 299)
+    return torch.nn.Embedding(300, 64), feats, blocks
+
+
+class Count(TorchDispatchMode):
+    """How many times each op of SAVED ran while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in SAVED
+        return func(*args, **(kwargs or {}))
+
+
+def run(kind: str, mode, autocast: bool = False) -> dict:
+    """One packed forward and backward: the loss, every gradient, and the SAVED ops forward and backward ran."""
+    drafter = KINDS[kind]().train()
+    use_checkpointing(drafter, mode)
+    embed, feats, blocks = packed_batch()
+    with Count() as forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = draft_packed(drafter, embed, feats, blocks, "sdpa").float().square().mean()
+    with Count() as backward:
+        loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad for n, p in drafter.named_parameters()},
+            "forward": forward.calls, "backward": backward.calls}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16 autocast"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_mode_gives_the_same_loss_and_gradients(kind, autocast):
+    """Checkpointing replays the layers' ops in their order, so every mode's gradients are those of no
+    checkpointing, to the bit. Selective checkpointing once got 3e-3 wrong: the own-block scores, a bmm's output it
+    keeps, were scaled in place inside an autograd.Function (no version bump), so the replay scaled them twice."""
+    off, *others = (run(kind, mode, autocast) for mode in MODES)
+    for mode, got in zip(MODES[1:], others):
+        assert got["loss"] == off["loss"], mode
+        for name, grad in off["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=0, msg=f"{mode}: {name}")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_selective_checkpointing_replays_no_matmul_and_full_replays_the_forwards(kind):
+    """In backward, selective checkpointing runs the matmuls and attention no checkpointing runs (their gradients'):
+    the replay takes the forward's outputs. Full checkpointing runs the layers' forward ones again on top."""
+    off, full, selective = (run(kind, mode) for mode in MODES)
+    assert off["forward"] == full["forward"] == selective["forward"] > 0
+    assert selective["backward"] == off["backward"]
+    # full: the layers' forward ops again (all but fc's, outside the layers), but for what the replay's early stop
+    # leaves out: a DFlash layer's down_proj, whose output its backward does not need (DFlash 2's convolution does)
+    replayed, layers = full["backward"] - off["backward"], off["forward"] - 1
+    assert replayed == (layers if kind == "dflash 2" else layers - 2)
+
+
+def test_a_mode_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="'some'"):
+        use_checkpointing(make_drafter(), "some")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention trains on CUDA only")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_selective_checkpointing_through_compiled_flex_gives_the_same_gradients(kind):
+    """The GPU path: flex attention compiled (its region one op under the replay, torch >= 2.10), bf16 autocast."""
+    results = []
+    for mode in MODES:
+        drafter = KINDS[kind]().cuda().train()
+        use_checkpointing(drafter, mode)
+        embed, feats, blocks = packed_batch()
+        embed, feats = embed.cuda(), feats.cuda()
+        blocks = type(blocks)(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in vars(blocks).items()})
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = draft_packed(drafter, embed, feats, blocks, "flex").float().square().mean()
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in drafter.named_parameters()}))
+    (off_loss, off_grads), *others = results
+    for mode, (loss, grads) in zip(MODES[1:], others):
+        assert loss == off_loss, mode
+        for name, grad in off_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
