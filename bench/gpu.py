@@ -277,6 +277,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     from dflash.plan.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.drafter.build import use_conv_kernel
+    from dflash.drafter.recompute import use_checkpointing
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
 
@@ -285,7 +286,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     optim = OptimConfig()  # the training default: AdamW fused on CUDA (optim.fused=auto), no foreach temporary
     setup = replace(setup, foreach=False)
     drafter, embed, head = preset_drafter(job, device)
-    drafter.gradient_checkpointing = setup.checkpointing  # as dflash.train.loop turns it on
+    use_checkpointing(drafter, setup.checkpointing)  # as dflash.train.loop turns it on
     conv_kernel = use_conv_kernel(drafter, job["train"].conv_kernel, device)  # DFlash 2: Triton on CUDA, as it trains
     drafter.train()
     L, n = setup.ctx_len, setup.num_anchors

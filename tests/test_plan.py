@@ -15,6 +15,7 @@ from dflash.drafter.build import build_drafter
 from dflash.drafter.loss import block_terms
 from dflash.drafter.build import drafter_config
 from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.recompute import use_checkpointing
 from dflash.train.optim import build_optimizer
 
 
@@ -85,8 +86,7 @@ def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, 
                             dflash2={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32,
                                      "selector_top_k": 8} if dflash2 else None)
     drafter = DFlashDraftModel(config).float().train()
-    if checkpointing:  # as loop.py turns it on (transformers 5.x renamed the method)
-        (getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable)()
+    use_checkpointing(drafter, checkpointing)  # as loop.py turns it on
     frozen = torch.bfloat16 if autocast else torch.float32
     embed = torch.nn.Embedding(vocab, H).to(frozen).requires_grad_(False)
     head = torch.nn.Linear(H, vocab, bias=False).to(frozen).requires_grad_(False)
@@ -132,6 +132,9 @@ SHAPES = {  # three float32 shapes: unchunked and chunked loss, one to three chu
 }
 CASES = {**{name: (name, {}) for name in SHAPES},
          "wider, gradient checkpointing": ("wider", {"checkpointing": True}),
+         "wider, selective checkpointing": ("wider", {"checkpointing": "selective"}),
+         "longer, selective checkpointing, bf16 autocast": ("longer", {"checkpointing": "selective", "autocast": True}),
+         "small, DFlash 2, selective checkpointing": ("small", {"dflash2": True, "checkpointing": "selective"}),
          "small, bf16 autocast": ("small", {"autocast": True}),
          "longer, 2 micro-batches": ("longer", {"grad_accum": 2}),
          "wider, DFlash 2": ("wider", {"dflash2": True}),
@@ -375,20 +378,23 @@ def test_moe_targets_count_the_experts_a_token_runs_through():
 
 
 def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
-    """python -m dflash.plan train.gradient_checkpointing=auto: each GPU size says whether auto turns checkpointing
-    on (the step without it does not fit) or off, and judges each GPU's fit by auto's step."""
+    """python -m dflash.plan train.gradient_checkpointing=auto: each GPU size says what auto chooses there (off where
+    the step fits without checkpointing, else selective where that fits, else full) and judges each GPU's fit by
+    auto's step."""
     import re
 
     plan.main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=auto", "gpu_gb=[24,30,141]",
                "--json"])
     out = json.loads(capsys.readouterr().out)
-    off, on = out["peak"]["no checkpointing"]["gib"], out["peak"]["checkpointing"]["gib"]
-    assert 24 < on < 30 < off < 141 and out["auto_checkpointing"]  # 24.9 and 33.6 GiB
-    assert [g["auto_checkpointing"] for g in out["gpus"]] == [True, True, False]
+    peaks = [out["peak"][name]["gib"] for name in ("checkpointing", "selective checkpointing", "no checkpointing")]
+    assert 24 < peaks[0] < peaks[1] < 30 < peaks[2] < 141 and out["auto_checkpointing"]  # 24.9, 27.5 and 33.6 GiB
+    assert [g["auto_checkpointing"] for g in out["gpus"]] == [True, "selective", False]
     assert [g["fits"] for g in out["gpus"]] == [False, True, True]
-    assert abs(out["gpus"][1]["free_gib"] - (30 - on)) < 1e-9 and abs(out["gpus"][2]["free_gib"] - (141 - off)) < 1e-9
-    plan.main(["experiment=qwen3_8b", "train.mode=offline", "gpu_gb=[30,141]"])  # false configured: auto still shown
-    text = capsys.readouterr().out
-    assert "auto  largest train.num_anchors" in text and "(configured)" in text
-    shown = re.findall(r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(on|off) ", text, re.M)
-    assert shown == [("30", "on"), ("141", "off")]
+    assert abs(out["gpus"][1]["free_gib"] - (30 - peaks[1])) < 1e-9
+    assert abs(out["gpus"][2]["free_gib"] - (141 - peaks[2])) < 1e-9
+    plan.main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=false", "gpu_gb=[24,30,141]"])
+    text = capsys.readouterr().out  # false configured: auto still shown
+    assert "auto       largest train.num_anchors: no checkpointing / selective / full" in text
+    assert "peak, no checkpointing" in text and text.count("(configured)") == 1
+    shown = re.findall(r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(off|selective|full) ", text, re.M)
+    assert shown == [("24", "full"), ("30", "selective"), ("141", "off")]

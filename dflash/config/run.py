@@ -98,10 +98,12 @@ class TrainConfig:
     have no convolution."""
     distributed: str = "ddp"
     """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
-    gradient_checkpointing: Any = False
-    """Recompute drafter layer activations in backward to save memory: true, false, or auto (on a CUDA device, off
-    when the memory plan's peak of the step without it fits the device, with the plan's margin, else on; off on
-    CPU). The run logs which auto chose and why; `python -m dflash.plan` shows it per GPU size."""
+    gradient_checkpointing: Any = "auto"
+    """Recompute drafter layer activations in backward to save memory: false; selective (keep each layer's matmul
+    and attention outputs, recompute its norms, rotary and activations: about half the memory of false, for no
+    recomputed matmul); true (keep only each layer's input, recompute everything: a third more FLOPs); or auto (on a
+    CUDA device the first of false, selective, true whose step the memory plan says fits the device, with its
+    margin; false on CPU). The run logs which auto chose and why; `python -m dflash.plan` shows it per GPU size."""
     num_workers: int = 1
     """DataLoader worker processes."""
     save_dtype: str = "bfloat16"
@@ -118,9 +120,9 @@ class TrainConfig:
         one_of("train.conv_kernel", self.conv_kernel, {"auto", "torch", "triton"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
         one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
-        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
+        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing in ("auto", "selective")):
             raise ConfigError(f"train.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; expected "
-                              f"true, false or auto")
+                              f"true, false, selective or auto")
         for key in ("epochs", "max_steps", "batch_size", "grad_accum", "num_anchors", "log_every",
                     "save_every", "keep_last"):
             positive(f"train.{key}", getattr(self, key))

@@ -18,8 +18,10 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   the steps measured without gradient checkpointing (`measured_mfu`); with none, ASSUMED_MFU. Gradient
   checkpointing runs the layers' forward again (`recompute_scale`): a step measured with it already spent that
   time in its MFU, so the recompute is counted only where the plan checkpoints and the measured step did not
-  (and taken out where it is the other way round). Generating the completions (the same in both modes) is not
-  counted.
+  (and taken out where it is the other way round). Selective checkpointing replays no matmul, so it counts no
+  recompute: its replayed norms, rotary and activations are memory-bound work the FLOP count leaves out, as it
+  leaves out the forward's own (the GPU check measures its time). Generating the completions (the same in both
+  modes) is not counted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"  # what the 
 HAND_EDITED = "hand_edited.json"  # in RESULTS: the fields of a result written by hand, not by the tool that measured
 # what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and
 # gradient checkpointing (a third more layer FLOPs) only where needed
-SETUPS = (("ddp", False), ("fsdp", False), ("ddp", True), ("fsdp", True))
+SETUPS = (("ddp", False), ("fsdp", False), ("ddp", "selective"), ("fsdp", "selective"), ("ddp", True), ("fsdp", True))
+"""(train.distributed, train.gradient_checkpointing) in the order fitting_setup tries them."""
 
 
 @dataclass
@@ -168,8 +171,8 @@ def recomputed(result: dict, overrides: list[str]) -> bool:
     """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu.py's preset_step
     records it), else CHECKPOINTED_WHEN_MEASURED for its preset, else what its overrides compose to (a preset step
     of an older result), else False (the flex steps at Qwen3-8B size never checkpoint)."""
-    if isinstance(result.get("checkpointing"), bool):
-        return result["checkpointing"]
+    if isinstance(result.get("checkpointing"), bool) or result.get("checkpointing") == "selective":
+        return result["checkpointing"] is True  # selective replays no matmul: no model FLOPs recomputed
     for o in overrides:
         if o.partition("=")[0] in ("experiment", "+experiment") and o.partition("=")[2] in CHECKPOINTED_WHEN_MEASURED:
             return CHECKPOINTED_WHEN_MEASURED[o.partition("=")[2]]
@@ -231,8 +234,9 @@ def recompute_scale(per: dict[str, float], planned: bool, measured: bool) -> flo
 def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:
     """GPU-hours of the run, offline (extraction once, then training) and online (target every epoch)."""
     per = sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
-    measured = u.checkpointing if run.mfu_recomputed is None else run.mfu_recomputed
-    drafter_flops = per["drafter"] * recompute_scale(per, u.checkpointing, measured)
+    full = u.checkpointing is True  # selective checkpointing replays no matmul: no model FLOPs recomputed
+    measured = full if run.mfu_recomputed is None else run.mfu_recomputed
+    drafter_flops = per["drafter"] * recompute_scale(per, full, measured)
     trained = (run.max_steps * u.batch * u.grad_accum * u.world if run.max_steps
                else run.epochs * run.sequences)
     rate = run.peak_tflops * 1e12 * run.mfu * 3600  # FLOPs a GPU-hour
@@ -242,7 +246,7 @@ def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, floa
             "online": {"extraction": 0.0, "training": trained * (drafter_flops + per["target"]) / rate,
                        "total": trained * (drafter_flops + per["target"]) / rate},
             "flops_per_token": {"drafter": per["drafter"] / run.tokens_per_sequence,
-                                "recompute": per["recompute"] * u.checkpointing / run.tokens_per_sequence,
+                                "recompute": per["recompute"] * full / run.tokens_per_sequence,
                                 "target forward": per["target"] / run.tokens_per_sequence},
             "recompute_scale": drafter_flops / per["drafter"]}
 
@@ -319,7 +323,7 @@ def describe(f: dict) -> str:
     """One set-up of fitting_setup in words."""
     if not f["num_anchors"]:
         return "fits no set-up"
-    ckpt = ", gradient checkpointing" if f["checkpointing"] else ""
+    ckpt = {False: "", "selective": ", selective checkpointing", True: ", gradient checkpointing"}[f["checkpointing"]]
     return f"{f['distributed']}{ckpt}, num_anchors {f['num_anchors']}, peak {f['peak']:.1f} GiB"
 
 

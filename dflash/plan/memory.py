@@ -24,7 +24,9 @@ measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k toke
   keeps the chunks' bool masks (one set per layer type) through forward and backward;
 - flex keeps one BlockMask per layer type through the step (int32 tile lists, packed_block_mask); the
   temporaries that build it are freed before the forward, so they never set the peak;
-- gradient checkpointing keeps each layer's input and recomputes one layer at a time in backward;
+- gradient checkpointing (true: full) keeps each layer's input and recomputes one layer at a time in backward;
+  selective checkpointing (dflash.drafter.recompute) keeps each layer's input and the outputs of its matmuls and
+  attention (`selective_outputs`), and recomputes the rest of one layer at a time;
 - DDP (world_size > 1) keeps a second copy of the gradients in its buckets;
 - FSDP (world_size > 1) is what dflash/train/accel.py sets up: FSDP2, each decoder layer its own unit and
   the rest (fc, the norms) the root unit, MixedPrecisionPolicy() (float32 parameters and reductions).
@@ -45,7 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 GiB = 2**30
-MODES = {"no checkpointing": False, "checkpointing": True}
+MODES = {"no checkpointing": False, "selective checkpointing": "selective", "checkpointing": True}
+"""The plan's names of train.gradient_checkpointing's values (Setup.checkpointing), from the most memory to the
+least."""
 
 
 @dataclass
@@ -97,7 +101,7 @@ class Setup:
     compute: int = 2  # linear and attention activations: 2 under bf16 autocast, 4 without
     frozen: int = 2  # the frozen target weights (target.dtype)
     backend: str = "flex"
-    checkpointing: bool = False
+    checkpointing: bool | str = False  # a value of MODES: False, "selective" or True (full)
     chunk_logits: int = 134217728
     noise: bool = False
     online: bool = False
@@ -180,6 +184,38 @@ def layer_activations(s: Shape, u: Setup) -> float:
     return total
 
 
+def selective_outputs(s: Shape, u: Setup) -> float:
+    """Bytes of the outputs selective checkpointing keeps for one drafter layer (dflash.drafter.recompute.SAVED),
+    in the compute dtype: its linear layers' (q, k, v, o, gate, up, down; DFlash 2's two tap projections), and
+    attention's output and float32 log-sum-exp; on the sdpa path also the own-block scores and values."""
+    a, b = u.compute, u.batch
+    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
+    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    total = q * (hq + 2 * s.hidden + 2 * s.intermediate) * a + 2 * k * hkv * a  # q, o, down, gate, up; k, v
+    total += q * hq * a + q * s.heads * 4  # attention's output and log-sum-exp
+    if u.backend == "sdpa":  # the own-block bmm's: scores [q, B] per head, and their product with the values
+        total += q * s.heads * (s.block_size + s.head_dim) * a
+    if s.dflash2:  # the two convolutions' tap projections, [q, 2 k H / group size] each: a quarter of H at the
+        total += 2 * q * s.hidden // 4 * a  # published k = 2 and groups of 16, as layer_activations takes them
+    return total
+
+
+def replayed_as_saved(s: Shape, u: Setup) -> float:
+    """Bytes of one layer's activations (layer_activations) that are outputs selective checkpointing kept: its
+    replay in backward gets them back instead of making them again. v and the MLP's gate and up; without autocast
+    also q and k as their norms' inputs (autocast casts them to float32 first), and flex attention's output (the
+    sdpa path merges its parts after the saved ops)."""
+    a, b = u.compute, u.batch
+    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
+    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    total = k * hkv * a + 2 * q * s.intermediate * a
+    if a == 4:
+        total += q * hq * 4 + k * hkv * 4
+    if u.backend == "flex":
+        total += q * hq * a
+    return total
+
+
 def state_terms(s: Shape, u: Setup) -> dict[str, float]:
     """Bytes per GPU of the drafter's weights and training state and of the frozen target weights."""
     shard = u.world if u.sharded else 1
@@ -237,10 +273,14 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     outer = c * s.target_layers * H * (a if a < 4 else 0) + c * H * (4 + a) + 2 * k * s.head_dim * 4
     outer += q * H * 4 + loss_side
     # layer 0 keeps no input (frozen embeddings need no gradient); checkpointing keeps the layers' inputs
-    # and the context, and recomputes one layer's activations (but its input) at a time
+    # and the context (selective: and each layer's matmul and attention outputs), and recomputes one layer's
+    # activations (but its input) at a time
+    saved = selective_outputs(s, u)
     t["activations, no checkpointing"] = outer + s.layers * per_layer - q * H * 4
+    t["activations, selective checkpointing"] = outer + s.layers * (q * H * 4 + saved) + c * H * 4
     t["activations, checkpointing"] = outer + s.layers * q * H * 4 + c * H * 4
     t["recomputed layer (checkpointing)"] = per_layer - q * H * 4
+    t["recomputed layer (selective)"] = per_layer - q * H * 4 - replayed_as_saved(s, u)
     # a loss chunk: its float32 log-softmax, its gradient, the logits' (when chunked, made in the forward with
     # loss.fused_ce, else recomputed in backward: measured within 2% of each other on test_plan.py's chunked shapes)
     t["loss logits buffer"] = chunk_rows * V * (12 if chunk_rows < rows else 8)
@@ -254,7 +294,7 @@ def breakdown(s: Shape, u: Setup) -> tuple[dict[str, float], dict[str, float]]:
     # going down the layers, backward leaves each one's weight gradients (sharded under FSDP) and frees what
     # it saved (with checkpointing: its input only) and its bf16 weight copies, while the context's gradient
     # builds up
-    kept = q * H * 4 if u.checkpointing else per_layer
+    kept = {False: per_layer, "selective": q * H * 4 + saved, True: q * H * 4}[u.checkpointing]
     copies = s.layer_params * a if a < 4 else 0
     lower = max(0, (s.layers - 1) * (s.layer_params * 4 / shard - kept - copies) + c * H * 4)
     return t, {"loss side": loss_side, "lower layers": lower}
@@ -272,8 +312,9 @@ PERSISTENT = ("drafter parameters (fp32)", "AdamW state (2 x fp32)", "DDP gradie
 def phases(s: Shape, u: Setup) -> dict[str, float]:
     """Bytes per GPU of each phase of the step on top of the PERSISTENT terms."""
     t, change = breakdown(s, u)
-    acts = t["activations, checkpointing" if u.checkpointing else "activations, no checkpointing"]
-    layer = t["recomputed layer (checkpointing)"] if u.checkpointing else 0
+    acts = t[f"activations, {mode_name(u.checkpointing)}"]
+    layer = {False: 0, "selective": t["recomputed layer (selective)"],
+             True: t["recomputed layer (checkpointing)"]}[u.checkpointing]
     # held through forward and backward: the compute-dtype weight copies, FSDP's gathered units, earlier
     # micro-batches' gradients, the sdpa path's masks
     held = t["FSDP gathered parameters (fp32)"] + t["autocast weight copies (bf16)"]
@@ -308,18 +349,26 @@ def peak(s: Shape, u: Setup, among: tuple[str, ...] | None = None) -> tuple[floa
     return total * (1 + u.fragmentation) + u.allowance, phase
 
 
-def choose_checkpointing(s: Shape, u: Setup, budget: float | None) -> tuple[bool, str]:
-    """What train.gradient_checkpointing=auto chooses for a device of `budget` bytes (None: not a CUDA device): off
-    when the step's peak without it (with the fragmentation and allowance as margin) fits, else on; off on CPU, so
-    CPU runs compute as before. Returns (on, the reason in words, with both peaks)."""
+def mode_name(mode) -> str:
+    """The plan's name (a key of MODES) of a train.gradient_checkpointing value."""
+    return next(name for name, value in MODES.items() if value == mode and type(value) is type(mode))
+
+
+def choose_checkpointing(s: Shape, u: Setup, budget: float | None) -> tuple[bool | str, str]:
+    """What train.gradient_checkpointing=auto chooses for a device of `budget` bytes (None: not a CUDA device): the
+    first of MODES (none, selective, full) whose step's peak (with the fragmentation and allowance as margin) fits,
+    full where none does; off on CPU, so CPU runs compute as before. Returns (the value, the reason in words, with
+    the peaks)."""
     if budget is None:
         return False, "off (not a CUDA device)"
-    off, on = (peak(s, replace(u, checkpointing=c))[0] for c in (False, True))
-    figures = (f"planned peak {off / GiB:.1f} GiB without it, {on / GiB:.1f} GiB with it; the device has "
-               f"{budget / GiB:.1f} GiB")
-    if off <= budget:
+    peaks = {mode: peak(s, replace(u, checkpointing=mode))[0] for mode in MODES.values()}
+    figures = (f"planned peak {peaks[False] / GiB:.1f} GiB without it, {peaks['selective'] / GiB:.1f} GiB selective, "
+               f"{peaks[True] / GiB:.1f} GiB full; the device has {budget / GiB:.1f} GiB")
+    if peaks[False] <= budget:
         return False, f"off: the step fits without it ({figures})"
-    return True, f"on: the step does not fit without it ({figures})"
+    if peaks["selective"] <= budget:
+        return "selective", f"selective: the step fits keeping its layers' matmul outputs ({figures})"
+    return True, f"true (full): the step does not fit with less ({figures})"
 
 
 def max_anchors(s: Shape, u: Setup, budget: float) -> int:
@@ -383,6 +432,11 @@ def shape_of(drafter, vocab: int, tied: bool = False, **target) -> Shape:
                  selector_top_k=selector.top_k if selector is not None else 0, **target)
 
 
+def checkpointing_of(setting) -> bool | str:
+    """Setup.checkpointing for a train.gradient_checkpointing setting: auto (decided for a device) as off."""
+    return setting if setting is True or setting == "selective" else False
+
+
 def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowance: float = 2 * GiB,
              fragmentation: float = 0.1, optim=None) -> Setup:
     """The Setup of a configured step (the target, train, loss and noise config groups, data.max_length) on one of
@@ -393,7 +447,7 @@ def setup_of(target, train, loss, noise, max_length: int, world: int = 1, allowa
     return Setup(ctx_len=max_length, num_anchors=train.num_anchors, batch=train.batch_size,
                  grad_accum=train.grad_accum, compute=4 if train.mixed_precision == "no" else 2,
                  frozen=DTYPES[target.dtype].itemsize, backend="sdpa" if train.attention == "sdpa" else "flex",
-                 checkpointing=train.gradient_checkpointing is True, chunk_logits=loss.chunk_logits,
+                 checkpointing=checkpointing_of(train.gradient_checkpointing), chunk_logits=loss.chunk_logits,
                  noise=noise.kind != "none", online=train.mode == "online", world=world,
                  distributed=train.distributed, allowance=allowance, fragmentation=fragmentation,
                  tensor_parallel=target.tensor_parallel, target_attention=target.attn_implementation,

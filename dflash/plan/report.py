@@ -17,7 +17,7 @@ import dflash.plan.costs as costs
 from dflash.plan.compose import compose
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
 from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, choose_checkpointing, \
-    max_anchors, moe_experts, peak, setup_of, shape_of, sliding_window, terms
+    max_anchors, mode_name, moe_experts, peak, setup_of, shape_of, sliding_window, terms
 from dflash.plan.targets import target_config
 
 PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
@@ -109,8 +109,7 @@ def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run
         peaks[name] = {"gib": total / GiB, "phase": phase}
     for gb in gpu_gb:
         auto = choose_checkpointing(shape, setup, gb * GiB)[0]  # what train.gradient_checkpointing=auto takes there
-        chosen = peaks["checkpointing" if (auto if auto_checkpointing else setup.checkpointing)
-                       else "no checkpointing"]["gib"]
+        chosen = peaks[mode_name(auto if auto_checkpointing else setup.checkpointing)]["gib"]
         gpus.append({"gpu_gib": gb, "auto_checkpointing": auto, "fits": chosen <= gb, "free_gib": gb - chosen,
                      "max_num_anchors": {name: max_anchors(shape, replace(setup, checkpointing=ckpt), gb * GiB)
                                          for name, ckpt in MODES.items()}})
@@ -157,18 +156,20 @@ def render(plan: dict, drafter, title: str) -> str:
                      f"to build (create_block_mask's dense build: {masks['dense before'] / GiB:.2f} GiB)")
     lines.append(f"  peak = persistent terms + the largest phase, + {u['fragmentation']:.0%} fragmentation + allowance:")
     for name, p in plan["peak"].items():
-        configured = not plan.get("auto_checkpointing") and (name == "checkpointing") == u["checkpointing"]
+        configured = not plan.get("auto_checkpointing") and name == mode_name(u["checkpointing"])
         chosen = "  (configured)" if configured else ""
         lines.append(f"  {'peak, ' + name:<38} {p['gib']:9.2f} GiB  at {p['phase']}{chosen}")
-    lines += ["", f"  {'GPU':<9} {'configured step':<24} {'auto':<5} largest train.num_anchors: no checkpointing / "
-                  f"checkpointing"]
+    lines += ["", f"  {'GPU':<9} {'configured step':<24} {'auto':<10} largest train.num_anchors: no checkpointing / "
+                  f"selective / full"]
     for g in plan["gpus"]:
         fit = f"fits, {g['free_gib']:.1f} GiB free" if g["fits"] else f"short by {-g['free_gib']:.1f} GiB"
         n = g["max_num_anchors"]
-        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {'on' if g['auto_checkpointing'] else 'off':<5} "
-                     f"{n['no checkpointing']} / {n['checkpointing']}")
+        auto = {False: "off", "selective": "selective", True: "full"}[g["auto_checkpointing"]]
+        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {auto:<10} "
+                     f"{n['no checkpointing']} / {n['selective checkpointing']} / {n['checkpointing']}")
     lines.append("  (auto: what train.gradient_checkpointing=auto chooses on that GPU: off where the step fits without "
-                 "it" + ("; configured, so each GPU's step is auto's)" if plan.get("auto_checkpointing") else ")"))
+                 "it, else selective where that fits, else full"
+                 + ("; configured, so each GPU's step is auto's)" if plan.get("auto_checkpointing") else ")"))
     if any(n >= u["ctx_len"] for g in plan["gpus"] for n in g["max_num_anchors"].values()):
         lines.append(f"  (a sequence has at most {u['ctx_len'] - 1} anchors; flex pads micro-batches to "
                      f"train.num_anchors blocks, so memory follows train.num_anchors)")

@@ -140,20 +140,21 @@ def step_plan(job: JobConfig, device: torch.device) -> tuple:
     return budget, (None if budget is None else planned_step(job))
 
 
-def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | None = None) -> bool:
-    """train.gradient_checkpointing=auto made true or false for `device` (memory.choose_checkpointing: off where the
-    planned step fits it without, else on; off on CPU, or when the drafter cannot be planned before loading), in
-    job.train, with one line saying which and why. true and false stay as they are. plan: `step_plan`'s."""
+def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | None = None) -> bool | str:
+    """train.gradient_checkpointing=auto made false, selective or true for `device` (memory.choose_checkpointing: off
+    where the planned step fits without, else selective where that fits, else full; off on CPU, or when the drafter
+    cannot be planned before loading), in job.train, with one line saying which and why. Other values stay as they
+    are. plan: `step_plan`'s."""
     if job.train.gradient_checkpointing != "auto":
         return job.train.gradient_checkpointing
     budget, planned = plan or step_plan(job, device)
     if budget is not None and planned is None:
-        on, why = False, "off (drafter.init_from has no config.json yet: the step cannot be planned)"
+        mode, why = False, "off (drafter.init_from has no config.json yet: the step cannot be planned)"
     else:
-        on, why = memory.choose_checkpointing(*(planned or (None, None)), budget)
-    job.train.gradient_checkpointing = on
+        mode, why = memory.choose_checkpointing(*(planned or (None, None)), budget)
+    job.train.gradient_checkpointing = mode
     log.info("train.gradient_checkpointing=auto on %s: %s", device, why)
-    return on
+    return mode
 
 
 def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = None) -> None:
@@ -165,7 +166,7 @@ def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = 
     if planned is None:
         return
     shape, setup = planned
-    setup = replace(setup, checkpointing=job.train.gradient_checkpointing is True)
+    setup = replace(setup, checkpointing=memory.checkpointing_of(job.train.gradient_checkpointing))
     need, phase = memory.peak(shape, setup)
     if need <= budget:
         return
@@ -179,6 +180,9 @@ def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = 
     fixes = [f"data.max_length={256 * lo} (the longest that fits)" if lo else "a lower data.max_length",
              *([f"train.num_anchors={anchors} (the most that fit)"] if anchors else [])]
     if not setup.checkpointing:
+        fixes.append(f"train.gradient_checkpointing=selective (peak "
+                     f"{gib_at(shape, setup, checkpointing='selective')})")
+    if setup.checkpointing is not True:
         fixes.append(f"train.gradient_checkpointing=true (peak {gib_at(shape, setup, checkpointing=True)})")
     if not setup.sharded and setup.world > 1:
         fixes.append(f"train.distributed=fsdp (peak {gib_at(shape, setup, distributed='fsdp')})")

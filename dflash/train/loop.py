@@ -24,6 +24,7 @@ from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
+from dflash.drafter.recompute import use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector, served_weights
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
@@ -224,10 +225,8 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
         scheduler.load_state_dict(resumed["scheduler"])
     if resumed:
         state.step, state.best_tau = resumed["state"]["step"], resumed["state"].get("best_tau")
-    # auto is true or false by now (fit.resolve_checkpointing); the drafter's own flag (DFlashDraftModel.forward),
-    # which transformers' version-renamed enable methods also set
-    if job.train.gradient_checkpointing is True:
-        drafter.gradient_checkpointing = True
+    # auto is false, selective or true by now (fit.resolve_checkpointing)
+    use_checkpointing(drafter, job.train.gradient_checkpointing)
     job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device,  # recorded as resolved
                                             compiled=job.train.compile)
     model = torch.compile(drafter) if job.train.compile else drafter

@@ -133,8 +133,9 @@ def test_a_max_length_whose_planned_step_does_not_fit_is_refused_in_one_line_bef
 
 def test_gradient_checkpointing_auto_is_chosen_by_the_plan_for_the_device(monkeypatch, no_loading, caplog):
     """train.gradient_checkpointing=auto (Qwen3.6-27B's drafter offline at 3072 tokens): off on a device the plan's
-    peak without checkpointing fits, on where only the peak with it fits, off on a CPU; one log line says which
-    and why, with both peaks and the device's memory. true and false are left as they are."""
+    peak without checkpointing fits, selective where only its peak and full checkpointing's fit, full where only
+    that fits (or nothing does), off on a CPU; one log line says which and why, with the three peaks and the
+    device's memory. true, false and selective are left as they are."""
     import logging
 
     import transformers
@@ -147,12 +148,14 @@ def test_gradient_checkpointing_auto_is_chosen_by_the_plan_for_the_device(monkey
     monkeypatch.setattr(fit, "world_size", lambda: 1)
     overrides = ["experiment=qwen3_6_27b", "train.mode=offline", "train.distributed=ddp", "data.max_length=3072"]
     _, shape, setup = plan.build(plan.compose(overrides))
-    off, on = (plan.peak(shape, replace(setup, checkpointing=c))[0] for c in (False, True))
-    assert on < off
+    off, selective, full = (plan.peak(shape, replace(setup, checkpointing=c))[0] for c in (False, "selective", True))
+    assert full < selective < off
     memory = {}
     monkeypatch.setattr(placement, "device_memory", lambda device: memory["bytes"] if device.type == "cuda" else None)
     cases = [(torch.device("cuda", 0), off + GiB, False, "off: the step fits without it"),
-             (torch.device("cuda", 0), (on + off) / 2, True, "on: the step does not fit without it"),
+             (torch.device("cuda", 0), (selective + off) / 2, "selective",
+              "selective: the step fits keeping its layers' matmul outputs"),
+             (torch.device("cuda", 0), (full + selective) / 2, True, "true (full): the step does not fit with less"),
              (torch.device("cpu"), None, False, "off (not a CUDA device)")]
     for device, budget, chosen, why in cases:
         memory["bytes"] = budget
@@ -160,16 +163,17 @@ def test_gradient_checkpointing_auto_is_chosen_by_the_plan_for_the_device(monkey
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="dflash.train.fit"), pytest.raises(Loaded):
             sources.training_target(job, device)
-        assert job.train.gradient_checkpointing is chosen
+        assert job.train.gradient_checkpointing is chosen or job.train.gradient_checkpointing == chosen == "selective"
         [line] = [r.getMessage() for r in caplog.records if "gradient_checkpointing=auto" in r.getMessage()]
         assert line.startswith(f"train.gradient_checkpointing=auto on {device}: {why}")
         if budget is not None:
-            assert (f"planned peak {off / GiB:.1f} GiB without it, {on / GiB:.1f} GiB with it; the device has "
-                    f"{budget / GiB:.1f} GiB") in line
-    assert plan.choose_checkpointing(shape, setup, on - 1)[0]  # fits neither way: on (check_length_fit refuses it)
-    for given in (True, False):
+            assert (f"planned peak {off / GiB:.1f} GiB without it, {selective / GiB:.1f} GiB selective, "
+                    f"{full / GiB:.1f} GiB full; the device has {budget / GiB:.1f} GiB") in line
+    assert plan.choose_checkpointing(shape, setup, full - 1)[0] is True  # fits no way: full (check_length_fit refuses)
+    for given in (True, False, "selective"):
         job = compose("train", [*overrides, "data.prompts=x.jsonl", f"train.gradient_checkpointing={given}"])
-        assert fit.resolve_checkpointing(job, torch.device("cuda", 0)) is given
+        assert fit.resolve_checkpointing(job, torch.device("cuda", 0)) == given
+    assert compose("train", ["data.prompts=x.jsonl"]).train.gradient_checkpointing == "auto"  # the default
 
 
 @pytest.mark.parametrize("bad", ["maybe", "1", "[true]"])
@@ -179,4 +183,4 @@ def test_a_bad_gradient_checkpointing_is_refused_in_one_line(bad):
     cause = next(e for e in (refused.value, refused.value.__cause__, refused.value.__context__)
                  if isinstance(e, ConfigError))
     assert "\n" not in str(cause) and str(cause).startswith("train.gradient_checkpointing=")
-    assert str(cause).endswith("is not valid; expected true, false or auto")
+    assert str(cause).endswith("is not valid; expected true, false, selective or auto")

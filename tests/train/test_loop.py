@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash.drafter.recompute import use_checkpointing
 from dflash.errors import ConfigError, TrainingError
 from dflash.layout import CheckpointLayout, RunLayout
 from dflash.train import loop as training
@@ -211,7 +212,11 @@ def test_flex_attention_on_a_cpu_is_refused_before_any_work(workdir):
     assert not (workdir / "flexcpu").exists() and not (workdir / "runs" / "flexcpu").exists()
 
 
-def test_gradient_checkpointing_trains(workdir):
-    run = train(job_for(workdir, "ckpting", "train.max_steps=3", "train.gradient_checkpointing=true",
+@pytest.mark.parametrize("mode", ["true", "selective"])
+def test_gradient_checkpointing_trains(workdir, monkeypatch, mode):
+    used = []
+    monkeypatch.setattr(training, "use_checkpointing", lambda drafter, m: (used.append(m), use_checkpointing(drafter, m)))
+    run = train(job_for(workdir, f"ckpting-{mode}", "train.max_steps=3", f"train.gradient_checkpointing={mode}",
                         "eval.at_start=false"))
     assert [s for s, _ in RunLayout(run).list_checkpoints()] == [3]
+    assert used == [True if mode == "true" else mode]
