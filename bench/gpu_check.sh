@@ -10,6 +10,9 @@
 #                    MFU, graphs, peak memory of the step and of its forward and backward alone; FAIL when
 #                    the plan's estimate of either is more than 15% off it
 #   qwen3_6_dflash2_step  the same for the published 27B DFlash 2 drafter, also alone
+#   checkpointing_modes  the Qwen3.6-27B step's forward and backward with no, selective and full gradient
+#                    checkpointing, alone: time and peak against the plan's; FAIL when a peak is more than 15%
+#                    off the plan's or selective is not faster than full (train.gradient_checkpointing=auto's order)
 #   vllm_dflash2     DFlash 2 and mixed sliding/full drafters served by vLLM against our live evaluation (what
 #                    vLLM's CPU build in `make engines` refuses); SKIP where vllm is not installed
 #   serving_sweep    `make serving` on the GPU: throughput with and without a drafter at concurrency 1-32 in

@@ -76,3 +76,15 @@ def test_the_head_loss_bench_times_the_fused_ce_beside_the_recompute_on_the_same
         assert out[kind]["loss_rel_diff"] < 1e-6 and out[kind]["grad_rel_diff"] < 1e-4, out[kind]
     assert out["chunk_logits"] < out["shape"]["rows"] * out["shape"]["vocab"]  # chunked: the two paths differ
     assert suites.headline({"head_loss": out})["head_loss_recompute_over_fused"] == out["recompute_over_fused"] > 0
+
+
+def test_the_checkpointing_bench_times_the_three_modes_on_the_same_step():
+    """bench --only checkpointing: no, selective and full gradient checkpointing on one step, the same loss, each
+    peak below the last (quick sizes: the figures, not their values)."""
+    from bench import checkpointing
+
+    out = checkpointing.checkpointing_costs(quick=True, device=torch.device("cpu"))
+    assert out["same_loss"] and set(out["step_s"]) == {"off", "selective", "full"}
+    assert out["peak_mib"]["off"] > out["peak_mib"]["selective"] > out["peak_mib"]["full"]
+    assert suites.headline({"checkpointing": out})["checkpointing_selective_step_over_full"] == out[
+        "selective_step_over_full"] > 0

@@ -1,0 +1,55 @@
+"""The GPU check checkpointing_modes (bench/gpu_checkpointing.py) on CPU: its code path at a tiny size, and its
+verdict."""
+
+import pytest
+import torch
+
+from bench.gpu_checkpointing import measure_modes, modes_verdict
+
+TINY = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
+        "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",
+        "data.max_length=256"]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_modes_run_on_cpu_and_their_peaks_meet_the_plan(tiny_targets, kind):
+    """Each mode's forward and backward at a tiny size (sdpa, float32): the same loss, a peak within 15% of the
+    plan's, falling from no checkpointing to selective to full. The speed verdict is the GPU's: here the step is
+    too small for the replay's saving to show, so it is set aside."""
+    out = measure_modes(torch.device("cpu"), [*TINY, f"drafter.kind={kind}", "drafter.selector_rank=32"], repeat=1)
+    m = out["modes"]
+    assert list(m) == ["off", "full", "selective"]  # MODES' order
+    assert m["off"]["loss"] == m["selective"]["loss"] == m["full"]["loss"]
+    for name, r in m.items():
+        assert abs(r["plan_over_measured"] - 1) <= 0.15, (name, r)
+    assert m["off"]["peak_bytes"] > m["selective"]["peak_bytes"] > m["full"]["peak_bytes"]
+    fast = {**out, "modes": {**m, "selective": {**m["selective"], "fwd_bwd_s": m["full"]["fwd_bwd_s"] / 2}}}
+    verdict = modes_verdict(fast)
+    assert verdict["status"] == "PASS", verdict["summary"]
+
+
+def result(**changes) -> dict:
+    """A measure_modes result with made-up figures (seconds, GiB), `changes` applied per mode."""
+    modes = {"off": {"fwd_bwd_s": 1.0, "peak_bytes": 60 * 2**30, "peak_gib": 60.0, "plan_peak_gib": 61.0, "plan_over_measured": 1.017,
+                     "loss": 5.0, "first_s": 20.0},
+             "selective": {"fwd_bwd_s": 1.05, "peak_bytes": 45 * 2**30, "peak_gib": 45.0, "plan_peak_gib": 46.0, "plan_over_measured": 1.022,
+                           "loss": 5.0, "first_s": 2.0},
+             "full": {"fwd_bwd_s": 1.3, "peak_bytes": 35 * 2**30, "peak_gib": 35.0, "plan_peak_gib": 35.0, "plan_over_measured": 1.0,
+                      "loss": 5.0, "first_s": 2.0}}
+    for name, figures in changes.items():
+        modes[name] = {**modes[name], **figures}
+    return {"shape": "experiment=qwen3_6_27b", "modes": modes}
+
+
+@pytest.mark.parametrize("case, says", [
+    ({}, None),
+    ({"selective": {"fwd_bwd_s": 1.3}}, "selective checkpointing's step (1.3 s) is not faster than full's (1.3 s)"),
+    ({"selective": {"plan_over_measured": 1.2, "plan_peak_gib": 54.0}}, "selective: the plan's peak 54.0 GiB is 1.2x"),
+    ({"selective": {"peak_bytes": 61 * 2**30, "peak_gib": 61.0, "plan_over_measured": 0.754}}, "the peaks do not fall"),
+    ({"full": {"loss": 5.1}}, "the modes' losses differ"),
+], ids=["pass", "slower", "plan off", "peaks", "loss"])
+def test_the_verdict_fails_on_what_would_make_auto_choose_wrong(case, says):
+    verdict = modes_verdict(result(**case))
+    assert verdict["status"] == ("PASS" if says is None else "FAIL"), verdict["summary"]
+    assert says is None or says in verdict["summary"]
+    assert "selective x1.05, full x1.3 of off" in modes_verdict(result())["summary"]
