@@ -4,11 +4,14 @@ which exports copy and which only calls `torch.utils.checkpoint.checkpoint` with
 - true (full): each layer keeps its inputs and recomputes everything in backward: its matmuls too, about a third
   more of the step's FLOPs.
 - selective: each layer keeps its inputs and the outputs of its matmuls and attention (SAVED), and recomputes only
-  the rest (norms, rotary, SiLU x up, casts, DFlash 2's convolutions): memory-bound work, a few percent of the step's
-  time, for 38% of what no checkpointing keeps at the Qwen3-8B and Qwen3.6-27B recipes' layers
-  (dflash.plan.memory.selective_outputs counts it; tests/test_plan.py measures it on CPU).
-  PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`) replays the layer in
-  backward and hands each saved op its output from forward instead of running it again.
+  the rest (norms, rotary, SiLU x up, casts, DFlash 2's convolutions), keeping 38% of what no checkpointing keeps at
+  the Qwen3-8B and Qwen3.6-27B recipes' layers (dflash.plan.memory.selective_outputs counts it; tests/test_plan.py
+  measures it on CPU). PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`)
+  replays the layer in backward and hands each saved op its output from forward instead of running it again.
+  Its price is a Python dispatch mode over every op of the layers, forward and replay: on the 2-core CPU that made
+  the layers' forward 1.25x slower, and selective's step about full's (`python -m bench --only checkpointing`:
+  0.96x and 1.03x full's in two runs), where the matmuls dominate less than on a GPU. The GPU check's
+  checkpointing_modes times it where it matters (not run yet).
 
 What selective checkpointing needs of the layers: an output of a SAVED op is never changed in place. An in-place
 change inside an autograd.Function's forward does not bump the tensor's version, so PyTorch cannot tell: the replay
