@@ -13,6 +13,9 @@
 #   checkpointing_modes  the Qwen3.6-27B step's forward and backward with no, selective and full gradient
 #                    checkpointing, alone: time and peak against the plan's; FAIL when a peak is more than 15%
 #                    off the plan's or selective is not faster than full (train.gradient_checkpointing=auto's order)
+#   compiled_layers  the same step eager and with train.compile=layers, alone: the speed-up, the compile's seconds
+#                    and graphs; FAIL when the loss is not eager's or a timed step (or another length of the same
+#                    padded shape) compiles again
 #   vllm_dflash2     DFlash 2 and mixed sliding/full drafters served by vLLM against our live evaluation (what
 #                    vLLM's CPU build in `make engines` refuses); SKIP where vllm is not installed
 #   serving_sweep    `make serving` on the GPU: throughput with and without a drafter at concurrency 1-32 in

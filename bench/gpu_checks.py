@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_checkpointing import checkpointing_modes
+from bench.gpu_layers import checkpointing_modes, compiled_layers
 from bench.gpu_runner import REPO, run_all, save_partial
 from bench.gpu_verdicts import flex_verdict, kernel_verdict, lossless_verdict, preset_verdict
 from dflash.io import write_json
@@ -50,13 +50,14 @@ GRAD_COS_MIN = 0.99
 # (2026-12-04 H200: 22 autotunings, 234 s, in fla_kernels; 17, 143 s, in live_lossless; a first forward 45 s):
 # side by side with each other only they took 264 s and 282 s, past the 150 s they had. The report records the
 # autotunings each check ran and the cache's results before and after (bench/gpu_runner.py)
-TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "checkpointing_modes": 120, "gpu_tests": 150,
+TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "checkpointing_modes": 90, "compiled_layers": 120,
+            "gpu_tests": 150,
             "autocast_loss": 150,
             "fla_kernels": 360, "live_lossless": 360, "qwen3_6_dflash2_step": 150, "vllm_dflash2": 150,
             "sharded_extraction": 150, "serving_sweep": 300}
 # their tokens/s and MFU need the GPU to themselves (the plan takes a preset's MFU from its step): the DFlash 2
 # step ran at MFU 0.15 beside the other checks and 0.20 alone on the first H200
-ALONE = ("flex_train_step", "qwen3_6_step", "qwen3_6_dflash2_step", "checkpointing_modes")
+ALONE = ("flex_train_step", "qwen3_6_step", "qwen3_6_dflash2_step", "checkpointing_modes", "compiled_layers")
 DEFAULT_BUDGET = 480
 
 
@@ -302,12 +303,12 @@ def sharded_extraction(budget: float) -> dict:
 
 
 GPU_ONLY = {"flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step", "vllm_dflash2",
-            "sharded_extraction", "serving_sweep", "checkpointing_modes"}
+            "sharded_extraction", "serving_sweep", "checkpointing_modes", "compiled_layers"}
 CHECKS = {"flex_train_step": flex_train_step, "qwen3_6_step": qwen3_6_step, "gpu_tests": gpu_tests,
           "autocast_loss": autocast_loss, "fla_kernels": fla_kernels, "live_lossless": live_lossless,
           "qwen3_6_dflash2_step": qwen3_6_dflash2_step, "vllm_dflash2": vllm_dflash2,
           "sharded_extraction": sharded_extraction, "serving_sweep": serving_sweep,
-          "checkpointing_modes": checkpointing_modes}
+          "checkpointing_modes": checkpointing_modes, "compiled_layers": compiled_layers}
 
 
 def resolve(name: str):

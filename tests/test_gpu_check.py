@@ -31,13 +31,13 @@ def test_gpu_check_runs_on_a_cpu_machine_and_says_what_it_skipped(tmp_path):
     lines = run.stdout.splitlines()
     assert run.returncode == 0, run.stdout + run.stderr
     for name in ("flex_train_step", "qwen3_6_step", "gpu_tests", "fla_kernels", "qwen3_6_dflash2_step",
-                 "vllm_dflash2", "sharded_extraction", "serving_sweep", "checkpointing_modes"):
+                 "vllm_dflash2", "sharded_extraction", "serving_sweep", "checkpointing_modes", "compiled_layers"):
         assert any(line.startswith(f"SKIP {name} needs CUDA") for line in lines), run.stdout
     for name in ("install", "autocast_loss", "live_lossless"):
         assert any(line.startswith(f"PASS {name} ") for line in lines), run.stdout
     [path] = tmp_path.glob("*-gpu-check.json")
     report = json.loads(path.read_text())
-    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 9} and report["complete"] and not report["pending"]
+    assert report["summary"] == {"PASS": 3, "FAIL": 0, "SKIP": 10} and report["complete"] and not report["pending"]
     assert report["checks"]["live_lossless"]["runs"] and report["checks"]["autocast_loss"]["loss_rel_diff"] < 1e-2
 
 

@@ -89,8 +89,10 @@ class TrainConfig:
     """auto (bf16 on CUDA, none on CPU), no or bf16."""
     attention: str = "auto"
     """Packed-block attention: auto (flex on CUDA, sdpa on CPU), flex or sdpa."""
-    compile: bool = False
-    """torch.compile the drafter."""
+    compile: Any = False
+    """torch.compile the drafter: false; true (the whole drafter as one graph); or layers (each decoder layer on its
+    own, fullgraph, flex attention compiled inside it: one graph per kind of layer and padded shape, which the
+    layers of that kind share; every gradient_checkpointing mode replays through it)."""
     conv_kernel: str = "auto"
     """DFlash 2's grouped dynamic convolution in training: torch (the path exports run), triton (two fused kernels,
     dflash/drafter/conv_kernel.py: CUDA with triton installed, a power-of-two conv_group_size), or auto (triton
@@ -120,6 +122,8 @@ class TrainConfig:
         one_of("train.conv_kernel", self.conv_kernel, {"auto", "torch", "triton"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
         one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
+        if not (isinstance(self.compile, bool) or self.compile == "layers"):
+            raise ConfigError(f"train.compile={self.compile!r} is not valid; expected true, false or layers")
         if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing in ("auto", "selective")):
             raise ConfigError(f"train.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; expected "
                               f"true, false, selective or auto")

@@ -70,7 +70,7 @@ def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device
         return setting
     why_not = _conv_kernel_blocker(convs[0].group_size, device)
     if setting == "auto" and compiled and not why_not:
-        why_not = "train.compile=true: inductor fuses the torch path"
+        why_not = "train.compile is on: inductor fuses the torch path"
     if setting == "triton" and why_not:
         raise _conv_kernel_refused(why_not)
     if why_not:

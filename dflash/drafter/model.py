@@ -55,6 +55,8 @@ def _flex(q, k, v, block_mask, scale):
     materialises the whole score matrix). Each new shape compiles a new graph; the recompile limit is
     raised as needed so torch never falls back to the uncompiled path."""
     global _compiled_flex
+    if torch.compiler.is_compiling():  # inside a compiled layer (train.compile=layers): compiled with the layer
+        return flex_attention(*_autocast_qkv(q, k, v), block_mask=block_mask, scale=scale, enable_gqa=True)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.requires_grad or k.requires_grad,
@@ -67,10 +69,15 @@ def _flex(q, k, v, block_mask, scale):
             setattr(config, limit, 2 * len(_flex_shapes))
         log.info("flex attention: compiling for queries %s, keys %s (%d graphs so far)", tuple(q.shape),
                  tuple(k.shape), len(_flex_shapes))
-    if torch.is_autocast_enabled(q.device.type):  # autocast skips flex (it does cast sdpa): q/k leave the
-        dtype = torch.get_autocast_dtype(q.device.type)  # float32-weighted norms in float32, v in bf16
+    return _compiled_flex(*_autocast_qkv(q, k, v), block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _autocast_qkv(q, k, v):
+    """Autocast skips flex (it does cast sdpa): q/k leave the float32-weighted norms in float32, v is in bf16."""
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return q, k, v
 
 
 @dataclass
@@ -477,18 +484,24 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         masks = self._masks(attention_mask, position_ids, noise_embedding.shape[1], cache)
         hidden = noise_embedding
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for layer in self.layers:
             mask = masks[layer.self_attn.rule]
-            if recompute:
-                hidden = checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False,
-                                    context_fn=self.checkpoint_contexts)
+            if self.training and cache is None:
+                hidden = self.train_layer(layer, hidden, context, cos, sin, mask)
             else:
                 hidden = layer(hidden, context, cos, sin, mask, cache)
         if cache is not None:
             new_pos = position_ids[:, : context.shape[1]]
             cache.positions = new_pos if cache.positions is None else torch.cat([cache.positions, new_pos], 1)
         return self.norm(hidden)
+
+    def train_layer(self, layer, hidden, context, cos, sin, mask) -> torch.Tensor:
+        """One layer in training, recomputed in backward with gradient checkpointing (`checkpoint_contexts` says
+        what it keeps); train.compile=layers compiles this method, checkpoint included."""
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False,
+                              context_fn=self.checkpoint_contexts)
+        return layer(hidden, context, cos, sin, mask, None)
 
     def _masks(self, attention_mask, position_ids, q_len, cache) -> dict:
         """A mask per attention rule: a dict given as is (packed blocks: dflash.drafter.blocks), one given mask for

@@ -1,5 +1,6 @@
-"""How training recomputes the drafter's layers in backward (train.gradient_checkpointing), kept out of model.py,
-which exports copy and which only calls `torch.utils.checkpoint.checkpoint` with the drafter's `checkpoint_contexts`.
+"""How training runs the drafter's layers: what it recomputes in backward (train.gradient_checkpointing) and whether
+it compiles them (train.compile=layers, `compile_layers`). Kept out of model.py, which exports copy and whose
+`train_layer` only calls `torch.utils.checkpoint.checkpoint` with the drafter's `checkpoint_contexts`.
 
 - true (full): each layer keeps its inputs and recomputes everything in backward: its matmuls too, about a third
   more of the step's FLOPs.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 _aten = torch.ops.aten
 SAVED = {
@@ -57,3 +58,21 @@ def use_checkpointing(drafter: torch.nn.Module, mode) -> None:
         raise ValueError(f"gradient checkpointing mode {mode!r}: expected one of {MODES}")
     drafter.gradient_checkpointing = bool(mode)
     drafter.checkpoint_contexts = selective_contexts if mode == "selective" else noop_context_fn
+
+
+def compile_layers(drafter: torch.nn.Module, backend: str = "inductor") -> None:
+    """train.compile=layers, after use_checkpointing: the drafter's training call of a layer (`train_layer`) compiled,
+    the checkpoint inside the graph, so the compiler's partitioner keeps what the mode keeps (a checkpoint around a
+    compiled layer sees it as one op, whose outputs selective checkpointing would keep: all that the layer saves).
+    fullgraph: a graph break is an error, not a slow step. Weight names do not change; evaluation and decoding run
+    eager."""
+    on, contexts = drafter.gradient_checkpointing, drafter.checkpoint_contexts
+
+    def train_layer(layer, hidden, context, cos, sin, mask):
+        if on and contexts is not noop_context_fn and torch.is_grad_enabled():
+            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False, context_fn=contexts)
+        if on and torch.is_grad_enabled():
+            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False)
+        return layer(hidden, context, cos, sin, mask, None)
+
+    drafter.train_layer = torch.compile(train_layer, backend=backend, fullgraph=True)

@@ -24,7 +24,7 @@ from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
-from dflash.drafter.recompute import use_checkpointing
+from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector, served_weights
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
@@ -228,8 +228,10 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     # auto is false, selective or true by now (fit.resolve_checkpointing)
     use_checkpointing(drafter, job.train.gradient_checkpointing)
     job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device,  # recorded as resolved
-                                            compiled=job.train.compile)
-    model = torch.compile(drafter) if job.train.compile else drafter
+                                            compiled=bool(job.train.compile))
+    model = torch.compile(drafter) if job.train.compile is True else drafter
+    if job.train.compile == "layers":
+        compile_layers(drafter)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     # train_state/weights_fp32.safetensors is the float32 copy of the weights (loaded before prepare), so
     # under DDP save_state writes no second one and load_state reads none; FSDP's gathered copy stays (its

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.drafter.recompute import use_checkpointing
+from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.errors import ConfigError, TrainingError
 from dflash.layout import CheckpointLayout, RunLayout
 from dflash.train import loop as training
@@ -210,6 +210,23 @@ def test_flex_attention_on_a_cpu_is_refused_before_any_work(workdir):
     with pytest.raises(ConfigError, match="train.attention=flex needs a CUDA device.*train.attention=sdpa"):
         train(job)
     assert not (workdir / "flexcpu").exists() and not (workdir / "runs" / "flexcpu").exists()
+
+
+def test_compiled_layers_train_and_save_the_zlab_layout(workdir, monkeypatch):
+    """train.compile=layers compiles the drafter's training call of a layer (aot_eager here: inductor's code
+    generation would take a minute on this CPU): the run trains with selective checkpointing through it, and its
+    weights keep their names."""
+    
+    compiled = []
+    monkeypatch.setattr(training, "compile_layers", lambda d: (compiled.append(d), compile_layers(d, "aot_eager")))
+    run = train(job_for(workdir, "layers", "train.max_steps=2", "train.compile=layers",
+                        "train.gradient_checkpointing=selective", "eval.at_start=false"))
+    [drafter] = compiled
+    assert hasattr(drafter.train_layer, "_torchdynamo_orig_callable")  # the compiled training call
+    names = set(load_file(run / "checkpoints/step-000002/model.safetensors"))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any("_orig_mod" in k for k in names)
+    with pytest.raises(Exception, match="train.compile='yes' is not valid; expected true, false or layers"):
+        compose("train", ["train.compile=yes"])
 
 
 @pytest.mark.parametrize("mode", ["true", "selective"])

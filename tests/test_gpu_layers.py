@@ -1,10 +1,10 @@
-"""The GPU check checkpointing_modes (bench/gpu_checkpointing.py) on CPU: its code path at a tiny size, and its
+"""The GPU check checkpointing_modes (bench.gpu_layers.py) on CPU: its code path at a tiny size, and its
 verdict."""
 
 import pytest
 import torch
 
-from bench.gpu_checkpointing import measure_modes, modes_verdict
+from bench.gpu_layers import compiled_verdict, measure_compiled, measure_modes, modes_verdict
 
 TINY = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
         "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",
@@ -53,3 +53,30 @@ def test_the_verdict_fails_on_what_would_make_auto_choose_wrong(case, says):
     assert verdict["status"] == ("PASS" if says is None else "FAIL"), verdict["summary"]
     assert says is None or says in verdict["summary"]
     assert "selective x1.05, full x1.3 of off" in modes_verdict(result())["summary"]
+
+
+def test_the_compiled_layers_check_runs_on_cpu(tiny_targets):
+    """measure_compiled at a tiny size (sdpa, float32, aot_eager): eager's loss, a first step that compiles, nothing
+    compiled after it."""
+    out = measure_compiled(torch.device("cpu"), TINY, repeat=1, backend="aot_eager", other_length=256)
+    verdict = compiled_verdict(out)
+    assert verdict["status"] == "PASS", verdict["summary"]
+    assert out["first_step_compiled"]["graphs"] > 0 and out["eager_over_compiled"] > 0
+
+
+@pytest.mark.parametrize("case, says", [
+    ({}, None),
+    ({"loss": 5.2}, "the compiled step's loss 5.20000 is not eager's 5.00000"),
+    ({"timed_steps_compiled": {"graphs": 1, "recompiles": 1}}, "the timed steps compiled again"),
+    ({"other_length_compiled": {"graphs": 2, "recompiles": 2}}, "a step of 3000 tokens (the same padded shape) compiled"),
+    ({"first_step_compiled": {"graphs": 0, "recompiles": 0}}, "the first compiled step compiled no graph"),
+], ids=["pass", "loss", "timed", "other length", "nothing compiled"])
+def test_the_compiled_verdict(case, says):
+    out = {"shape": "experiment=qwen3_6_27b", "eager_s": 0.6, "compiled_s": 0.45, "first_compiled_s": 50.0,
+           "eager_over_compiled": 1.333, "loss": 5.0, "eager_loss": 5.0, "first_step_compiled": {"graphs": 2,
+           "recompiles": 1}, "timed_steps_compiled": {"graphs": 0, "recompiles": 0}, "other_length": 3000,
+           "other_length_compiled": {"graphs": 0, "recompiles": 0}, "recompile_reasons": [], **case}
+    verdict = compiled_verdict(out)
+    assert verdict["status"] == ("PASS" if says is None else "FAIL"), verdict["summary"]
+    assert says is None or says in verdict["summary"]
+    assert "(x1.333 faster)" in verdict["summary"]
