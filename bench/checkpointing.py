@@ -66,7 +66,8 @@ def checkpointing_costs(quick: bool, device, **_) -> dict:
         step(mode)()  # the gradients exist from here on, as in training's later steps
         with TensorPeak() as mem:
             mem.track(*drafter.parameters(), *[p.grad for p in drafter.parameters()], *drafter.buffers(),
-                      embed.weight, head.weight, features, ids, *[v for v in vars(blocks).values() if torch.is_tensor(v)])
+                      embed.weight, head.weight, features, ids,
+                      *[v for v in vars(blocks).values() if torch.is_tensor(v)])
             step(mode)()
         peaks[NAMES[mode]] = round(mem.peak / 2**20, 2)
     off = times["off"]

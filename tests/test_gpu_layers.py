@@ -30,14 +30,13 @@ def test_the_modes_run_on_cpu_and_their_peaks_meet_the_plan(tiny_targets, kind):
 
 def result(**changes) -> dict:
     """A measure_modes result with made-up figures (seconds, GiB), `changes` applied per mode."""
-    modes = {"off": {"fwd_bwd_s": 1.0, "peak_bytes": 60 * 2**30, "peak_gib": 60.0, "plan_peak_gib": 61.0, "plan_over_measured": 1.017,
-                     "loss": 5.0, "first_s": 20.0},
-             "selective": {"fwd_bwd_s": 1.05, "peak_bytes": 45 * 2**30, "peak_gib": 45.0, "plan_peak_gib": 46.0, "plan_over_measured": 1.022,
-                           "loss": 5.0, "first_s": 2.0},
-             "full": {"fwd_bwd_s": 1.3, "peak_bytes": 35 * 2**30, "peak_gib": 35.0, "plan_peak_gib": 35.0, "plan_over_measured": 1.0,
-                      "loss": 5.0, "first_s": 2.0}}
-    for name, figures in changes.items():
-        modes[name] = {**modes[name], **figures}
+    figures = {"off": (1.0, 60, 61.0, 1.017, 20.0), "selective": (1.05, 45, 46.0, 1.022, 2.0),
+               "full": (1.3, 35, 35.0, 1.0, 2.0)}
+    modes = {name: {"fwd_bwd_s": t, "peak_bytes": gib * 2**30, "peak_gib": float(gib), "plan_peak_gib": plan,
+                    "plan_over_measured": ratio, "loss": 5.0, "first_s": first}
+             for name, (t, gib, plan, ratio, first) in figures.items()}
+    for name, changed in changes.items():
+        modes[name] = {**modes[name], **changed}
     return {"shape": "experiment=qwen3_6_27b", "modes": modes}
 
 
@@ -45,7 +44,8 @@ def result(**changes) -> dict:
     ({}, None),
     ({"selective": {"fwd_bwd_s": 1.3}}, "selective checkpointing's step (1.3 s) is not faster than full's (1.3 s)"),
     ({"selective": {"plan_over_measured": 1.2, "plan_peak_gib": 54.0}}, "selective: the plan's peak 54.0 GiB is 1.2x"),
-    ({"selective": {"peak_bytes": 61 * 2**30, "peak_gib": 61.0, "plan_over_measured": 0.754}}, "the peaks do not fall"),
+    ({"selective": {"peak_bytes": 61 * 2**30, "peak_gib": 61.0, "plan_over_measured": 0.754}},
+     "the peaks do not fall"),
     ({"full": {"loss": 5.1}}, "the modes' losses differ"),
 ], ids=["pass", "slower", "plan off", "peaks", "loss"])
 def test_the_verdict_fails_on_what_would_make_auto_choose_wrong(case, says):
@@ -68,7 +68,8 @@ def test_the_compiled_layers_check_runs_on_cpu(tiny_targets):
     ({}, None),
     ({"loss": 5.2}, "the compiled step's loss 5.20000 is not eager's 5.00000"),
     ({"timed_steps_compiled": {"graphs": 1, "recompiles": 1}}, "the timed steps compiled again"),
-    ({"other_length_compiled": {"graphs": 2, "recompiles": 2}}, "a step of 3000 tokens (the same padded shape) compiled"),
+    ({"other_length_compiled": {"graphs": 2, "recompiles": 2}},
+     "a step of 3000 tokens (the same padded shape) compiled"),
     ({"first_step_compiled": {"graphs": 0, "recompiles": 0}}, "the first compiled step compiled no graph"),
 ], ids=["pass", "loss", "timed", "other length", "nothing compiled"])
 def test_the_compiled_verdict(case, says):

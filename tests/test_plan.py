@@ -396,5 +396,6 @@ def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
     text = capsys.readouterr().out  # false configured: auto still shown
     assert "auto       largest train.num_anchors: no checkpointing / selective / full" in text
     assert "peak, no checkpointing" in text and text.count("(configured)") == 1
-    shown = re.findall(r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(off|selective|full) ", text, re.M)
+    gpu = r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(off|selective|full) "
+    shown = re.findall(gpu, text, re.M)
     assert shown == [("24", "full"), ("30", "selective"), ("141", "off")]

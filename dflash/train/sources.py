@@ -37,7 +37,7 @@ def training_target(job: JobConfig, device: torch.device) -> tuple[Target, list[
     if not offline:
         check_online_fit(job, device)
     plan = step_plan(job, device)
-    resolve_checkpointing(job, device, plan)  # auto -> true or false, by the memory plan, before the length is checked
+    resolve_checkpointing(job, device, plan)  # auto -> false, selective or true (the plan), before the length check
     check_length_fit(job, device, plan)
     target = load_target(job.target, device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)

@@ -232,7 +232,7 @@ def test_compiled_layers_train_and_save_the_zlab_layout(workdir, monkeypatch):
 @pytest.mark.parametrize("mode", ["true", "selective"])
 def test_gradient_checkpointing_trains(workdir, monkeypatch, mode):
     used = []
-    monkeypatch.setattr(training, "use_checkpointing", lambda drafter, m: (used.append(m), use_checkpointing(drafter, m)))
+    monkeypatch.setattr(training, "use_checkpointing", lambda d, m: (used.append(m), use_checkpointing(d, m)))
     run = train(job_for(workdir, f"ckpting-{mode}", "train.max_steps=3", f"train.gradient_checkpointing={mode}",
                         "eval.at_start=false"))
     assert [s for s, _ in RunLayout(run).list_checkpoints()] == [3]
