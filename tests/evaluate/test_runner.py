@@ -129,6 +129,20 @@ def test_outputs_agree_with_blocks_jsonl_and_ddtree_is_monotone(trained, capsys)
     assert "step4" in printed and f"held-out every-anchor tau {metrics['eval/tau_all_anchors']:.3f}" in printed
 
 
+def test_the_in_run_evaluation_scores_the_drafter_its_checkpoint_serves(tmp_path, dflash_home):
+    """On a float32 target the in-run evaluation scored the float32 weights, evaluate.py the served bf16 ones
+    (train.save_dtype): two figures for one checkpoint (2.003 against 2.005 for a DFlash 2 toy run). Both now
+    score the served weights: the same blocks, the same top-k log-probabilities to the bit."""
+    run = train(eval_job(tmp_path, "run.name=served", "train.max_steps=2", "drafter.kind=dflash2",
+                         "drafter.selector_rank=32"))
+    in_run = (run / "eval" / "step-000002" / "blocks.jsonl").read_text()
+    evaluate(eval_job(tmp_path, "run.name=served", "checkpoint=step2", "drafter.kind=dflash2",
+                      "drafter.selector_rank=32"))
+    post_hoc = (run / "eval" / "step-000002" / "blocks.jsonl").read_text()
+    assert list(run.glob("eval/step-000002.*")), "the in-run evaluation was moved aside, not overwritten"
+    assert [json.loads(line) for line in in_run.splitlines()] == [json.loads(line) for line in post_hoc.splitlines()]
+
+
 def test_reference_drafter_evaluates_next_to_the_checkpoint(trained, capsys):
     tmp, run = trained
     ref = tmp / "reference"
