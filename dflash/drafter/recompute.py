@@ -68,6 +68,8 @@ def compile_layers(drafter: torch.nn.Module, backend: str = "inductor") -> None:
     eager."""
     on, contexts = drafter.gradient_checkpointing, drafter.checkpoint_contexts
 
+    # DFlashDraftModel.train_layer with the mode bound: dynamo takes a checkpoint's context_fn from a closure, not
+    # from a module attribute ("checkpoint not implemented for LazyVariableTracker"), nor noop_context_fn passed on
     def train_layer(layer, hidden, context, cos, sin, mask):
         if on and contexts is not noop_context_fn and torch.is_grad_enabled():
             return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False, context_fn=contexts)
