@@ -497,7 +497,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def train_layer(self, layer, hidden, context, cos, sin, mask) -> torch.Tensor:
         """One layer in training, recomputed in backward with gradient checkpointing (`checkpoint_contexts` says
-        what it keeps); train.compile=layers compiles this method, checkpoint included."""
+        what it keeps); train.compile=layers puts a compiled copy of it here, checkpoint included (training's
+        dflash.drafter.recompute.compile_layers)."""
         if self.gradient_checkpointing and torch.is_grad_enabled():
             return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False,
                               context_fn=self.checkpoint_contexts)

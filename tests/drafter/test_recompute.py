@@ -8,9 +8,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash.drafter.blocks import draft_packed, pack_blocks
+from dflash.drafter.build import drafter_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.recompute import SAVED, compile_layers, use_checkpointing
 from tests.drafter.test_dflash2 import make_dflash2
-from tests.drafter.test_model import make_drafter
+from tests.drafter.test_model import TARGET, make_drafter
 
 MODES = (False, True, "selective")
 KINDS = {
@@ -85,6 +87,24 @@ def test_compiled_layers_train_as_eager_ones_in_every_mode(kind):
         assert got["loss"] == pytest.approx(eager["loss"], rel=1e-6), mode
         for name, grad in eager["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+
+
+def test_compiled_layers_share_one_graph():
+    """Four layers, three sliding and one full, two steps: one graph (the sdpa path's masks are tensors; under flex a
+    kind of layer is a mask function, a graph of its own)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = drafter_config(TARGET, num_layers=4, block_size=8, target_layer_ids=[1, 5, 9], mask_token_id=299,
+                            layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=6)
+    drafter = DFlashDraftModel(config).train()
+    use_checkpointing(drafter, "selective")
+    compile_layers(drafter, backend="aot_eager")
+    embed, feats, blocks = packed_batch()
+    for _ in range(2):
+        draft_packed(drafter, embed, feats, blocks, "sdpa").square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_compiled_layers_keep_what_each_mode_keeps():
