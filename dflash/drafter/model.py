@@ -497,11 +497,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def train_layer(self, layer, hidden, context, cos, sin, mask) -> torch.Tensor:
         """One layer in training, recomputed in backward with gradient checkpointing (`checkpoint_contexts` says
-        what it keeps); train.compile=layers puts a compiled copy of it here, checkpoint included (training's
-        dflash.drafter.recompute.compile_layers)."""
+        what it keeps); train.compile=layers compiles it, checkpoint included (dflash.drafter.recompute)."""
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False,
-                              context_fn=self.checkpoint_contexts)
+            # compared before it is passed: under compile dynamo takes a context_fn it has looked at, not one it
+            # holds unread ("checkpoint not implemented for LazyVariableTracker")
+            selective = {} if self.checkpoint_contexts is noop_context_fn else {"context_fn": self.checkpoint_contexts}
+            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False, **selective)
         return layer(hidden, context, cos, sin, mask, None)
 
     def _masks(self, attention_mask, position_ids, q_len, cache) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
 
 _aten = torch.ops.aten
 SAVED = {
@@ -61,20 +61,8 @@ def use_checkpointing(drafter: torch.nn.Module, mode) -> None:
 
 
 def compile_layers(drafter: torch.nn.Module, backend: str = "inductor") -> None:
-    """train.compile=layers, after use_checkpointing: the drafter's training call of a layer (`train_layer`) compiled,
-    the checkpoint inside the graph, so the compiler's partitioner keeps what the mode keeps (a checkpoint around a
-    compiled layer sees it as one op, whose outputs selective checkpointing would keep: all that the layer saves).
-    fullgraph: a graph break is an error, not a slow step. Weight names do not change; evaluation and decoding run
-    eager."""
-    on, contexts = drafter.gradient_checkpointing, drafter.checkpoint_contexts
-
-    # DFlashDraftModel.train_layer with the mode bound: dynamo takes a checkpoint's context_fn from a closure, not
-    # from a module attribute ("checkpoint not implemented for LazyVariableTracker"), nor noop_context_fn passed on
-    def train_layer(layer, hidden, context, cos, sin, mask):
-        if on and contexts is not noop_context_fn and torch.is_grad_enabled():
-            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False, context_fn=contexts)
-        if on and torch.is_grad_enabled():
-            return checkpoint(layer, hidden, context, cos, sin, mask, None, use_reentrant=False)
-        return layer(hidden, context, cos, sin, mask, None)
-
-    drafter.train_layer = torch.compile(train_layer, backend=backend, fullgraph=True)
+    """train.compile=layers: the drafter's training call of a layer (`train_layer`) compiled, the checkpoint inside
+    the graph, so the compiler's partitioner keeps what the mode keeps (a checkpoint around a compiled layer sees it
+    as one op, whose outputs selective checkpointing would keep: all that the layer saves). fullgraph: a graph break
+    is an error, not a slow step. Weight names do not change; evaluation and decoding run eager."""
+    drafter.train_layer = torch.compile(drafter.train_layer, backend=backend, fullgraph=True)
