@@ -24,9 +24,9 @@ COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle ga
            "train/topk_recall", "s/step")
 
 
-def run_row(run: Path) -> tuple[dict, dict]:
-    """(the columns, {prompt: walk tau}) of one run."""
-    summary = json.loads(final_eval(run).read_text())
+def run_row(run: Path, final: Path) -> tuple[dict, dict]:
+    """(the columns, {prompt: walk tau}) of one run whose last evaluation's summary.json is `final`."""
+    summary = json.loads(final.read_text())
     m = summary["metrics"]
     windows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train/tau"' in line]
     last = [w for w in windows if w["step"] >= windows[-1]["step"] - 100] if windows else []
@@ -53,8 +53,9 @@ def main(root: str, reference: str = "dflash") -> None:
     arms: dict[str, dict[int, tuple[dict, dict]]] = {}
     for run in sorted(Path(root).iterdir()):
         match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-        if match and final_eval(run) is not None:
-            arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run)
+        final = final_eval(run) if match else None
+        if final is not None:
+            arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run, final)
     print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
     for arm, seeds in arms.items():
