@@ -17,6 +17,7 @@ On CPU tests/test_gpu_layers.py runs the same code at a tiny size.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -25,8 +26,25 @@ from bench.gpu import (QWEN3_6_PRESET, CompileWatch, _sync, loss_and_backward, m
 from bench.gpu_verdicts import PLAN_TOL
 from bench.measure import TensorPeak, timed
 from dflash.drafter.recompute import MODES, compile_layers, use_checkpointing
+from dflash.plan.memory import MODE_WORDS
 
-NAMES = {False: "off", "selective": "selective", True: "full"}
+
+def preset_fwd_bwd(device, overrides: list[str]) -> SimpleNamespace:
+    """A preset's drafter (training mode) and its forward and backward of one batch, `fwd_bwd(blocks, feats)` -> the
+    loss, the drafter's gradients freed first as the optimizer's zero_grad does; with the plan's job, shape and
+    setup, the target's embed and head, and whether it runs under bf16 autocast."""
+    job, shape, setup = preset_job(overrides)
+    drafter, embed, head = preset_drafter(job, device)
+    drafter.train()
+    gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
+
+    def fwd_bwd(blocks, feats) -> float:
+        drafter.zero_grad(set_to_none=True)
+        return loss_and_backward(drafter, embed, head.weight, feats, blocks, setup.backend, autocast, gamma,
+                                 job["loss"].chunk_logits)
+
+    return SimpleNamespace(job=job, shape=shape, setup=setup, drafter=drafter, embed=embed, head=head,
+                           autocast=autocast, fwd_bwd=fwd_bwd)
 
 
 def measure_modes(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) -> dict:
@@ -39,18 +57,14 @@ def measure_modes(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3
     from dflash.plan.memory import BACKWARD
     from dflash.train.batches import add_noise
 
-    job, shape, setup = preset_job(overrides)
-    drafter, embed, head = preset_drafter(job, device)
-    drafter.train()
+    p = preset_fwd_bwd(device, overrides)
+    shape, setup, drafter, autocast = p.shape, p.setup, p.drafter, p.autocast
     blocks, clean = make_batch(drafter, setup.ctx_len, setup.num_anchors, device, spread=True)
-    feats = add_noise(clean, job["noise"], len(drafter.target_layer_ids), 0, 0, [0])
-    gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
+    feats = add_noise(clean, p.job["noise"], len(drafter.target_layer_ids), 0, 0, [0])
     losses = {}
 
     def backward(mode):
-        drafter.zero_grad(set_to_none=True)
-        losses[mode] = loss_and_backward(drafter, embed, head.weight, feats, blocks, setup.backend, autocast, gamma,
-                                         job["loss"].chunk_logits)
+        losses[mode] = p.fwd_bwd(blocks, feats)
 
     out = {"shape": f"{' '.join(overrides)}: {len(drafter.layers)} layers, hidden {drafter.config.hidden_size}, "
                     f"{setup.ctx_len} tokens, {setup.num_anchors} anchors, {setup.backend}, "
@@ -70,14 +84,14 @@ def measure_modes(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3
             measured = torch.cuda.max_memory_allocated(device)
         else:
             with TensorPeak() as mem:
-                mem.track(*drafter.parameters(), *drafter.buffers(), embed.weight, head.weight, clean, feats,
+                mem.track(*drafter.parameters(), *drafter.buffers(), p.embed.weight, p.head.weight, clean, feats,
                           *[v for v in vars(blocks).values() if torch.is_tensor(v)])
                 backward(mode)
             measured = mem.peak
         # no AdamW state here: the plan's peak without it
         planned = plan.peak(shape, replace(setup, checkpointing=mode, foreach=False), BACKWARD)[0]
         planned -= plan.terms(shape, setup)["AdamW state (2 x fp32)"]
-        out["modes"][NAMES[mode]] = {"fwd_bwd_s": round(t, 4), "first_s": round(first, 2),
+        out["modes"][MODE_WORDS[mode]] = {"fwd_bwd_s": round(t, 4), "first_s": round(first, 2),
                                      "peak_bytes": int(measured), "peak_gib": round(measured / 2**30, 3),
                                      "plan_peak_gib": round(planned / 2**30, 3),
                                      "plan_over_measured": round(planned / measured, 3), "loss": losses[mode]}
@@ -130,15 +144,8 @@ def measure_compiled(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int 
     in each, and one step at `other_length` tokens (padded to the same shape under flex: it must compile nothing)."""
     from bench.gpu import _compiled_between
 
-    job, _, setup = preset_job(overrides)
-    drafter, embed, head = preset_drafter(job, device)
-    drafter.train()
-    gamma, autocast = job["loss"].gamma_for(drafter.block_size), setup.compute == 2
-
-    def backward(blocks, feats):
-        drafter.zero_grad(set_to_none=True)
-        return loss_and_backward(drafter, embed, head.weight, feats, blocks, setup.backend, autocast, gamma,
-                                 job["loss"].chunk_logits)
+    p = preset_fwd_bwd(device, overrides)
+    setup, drafter, autocast, backward = p.setup, p.drafter, p.autocast, p.fwd_bwd
 
     blocks, feats = make_batch(drafter, setup.ctx_len, setup.num_anchors, device, spread=True)
     other = make_batch(drafter, other_length, setup.num_anchors, device, spread=True, seed=1)

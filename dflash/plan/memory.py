@@ -50,6 +50,8 @@ GiB = 2**30
 MODES = {"no checkpointing": False, "selective checkpointing": "selective", "checkpointing": True}
 """The plan's names of train.gradient_checkpointing's values (Setup.checkpointing), from the most memory to the
 least."""
+MODE_WORDS = {False: "off", "selective": "selective", True: "full"}
+"""A train.gradient_checkpointing value in one word, as the plan's GPU table and the benchmarks name it."""
 
 
 @dataclass
@@ -163,12 +165,16 @@ def block_mask_bytes(s: Shape, u: Setup) -> dict[str, int]:
             "dense before": u.batch * q * (u.ctx_len + q) * sum(DENSE_MASK_BYTES[t] for t in s.layer_types)}
 
 
+def _layer_sizes(s: Shape, u: Setup) -> tuple[int, int, int, int, int]:
+    """(bytes of the compute dtype, a layer's query tokens, its key tokens, the query and the key-value widths)."""
+    q, k = u.batch * u.num_anchors * s.block_size, u.batch * (u.ctx_len + u.num_anchors * s.block_size)
+    return u.compute, q, k, s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+
 def layer_activations(s: Shape, u: Setup) -> float:
     """Bytes one drafter layer saves for backward. An RMSNorm keeps its float32 input and normalised
     output; a tensor feeding n linear layers is kept once in float32, or as n bf16 casts under autocast."""
-    a, b = u.compute, u.batch
-    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
-    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    a, q, k, hq, hkv = _layer_sizes(s, u)
     fed = lambda n: 4 if a == 4 else n * a
     total = q * s.hidden * (16 + fed(1) + fed(2))  # input_layernorm (-> q_proj), post_attention_layernorm (-> gate, up)
     total += k * s.hidden * fed(2)  # cat(context, block) -> k_proj, v_proj
@@ -188,9 +194,7 @@ def selective_outputs(s: Shape, u: Setup) -> float:
     """Bytes of the outputs selective checkpointing keeps for one drafter layer (dflash.drafter.recompute.SAVED),
     in the compute dtype: its linear layers' (q, k, v, o, gate, up, down; DFlash 2's two tap projections), and
     attention's output and float32 log-sum-exp; on the sdpa path also the own-block scores and values."""
-    a, b = u.compute, u.batch
-    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
-    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    a, q, k, hq, hkv = _layer_sizes(s, u)
     total = q * (hq + 2 * s.hidden + 2 * s.intermediate) * a + 2 * k * hkv * a  # q, o, down, gate, up; k, v
     total += q * hq * a + q * s.heads * 4  # attention's output and log-sum-exp
     if u.backend == "sdpa":  # the own-block bmm's: scores [q, B] per head, and their product with the values
@@ -205,9 +209,7 @@ def replayed_as_saved(s: Shape, u: Setup) -> float:
     replay in backward gets them back instead of making them again. v and the MLP's gate and up; without autocast
     also q and k as their norms' inputs (autocast casts them to float32 first), and flex attention's output (the
     sdpa path merges its parts after the saved ops)."""
-    a, b = u.compute, u.batch
-    q, k = b * u.num_anchors * s.block_size, b * (u.ctx_len + u.num_anchors * s.block_size)
-    hq, hkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    a, q, k, hq, hkv = _layer_sizes(s, u)
     total = k * hkv * a + 2 * q * s.intermediate * a
     if a == 4:
         total += q * hq * 4 + k * hkv * 4

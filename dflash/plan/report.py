@@ -16,8 +16,8 @@ from dataclasses import asdict, replace
 import dflash.plan.costs as costs
 from dflash.plan.compose import compose
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from dflash.plan.memory import MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, choose_checkpointing, \
-    max_anchors, mode_name, moe_experts, peak, setup_of, shape_of, sliding_window, terms
+from dflash.plan.memory import MODE_WORDS, MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, \
+    choose_checkpointing, max_anchors, mode_name, moe_experts, peak, setup_of, shape_of, sliding_window, terms
 from dflash.plan.targets import target_config
 
 PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
@@ -164,8 +164,7 @@ def render(plan: dict, drafter, title: str) -> str:
     for g in plan["gpus"]:
         fit = f"fits, {g['free_gib']:.1f} GiB free" if g["fits"] else f"short by {-g['free_gib']:.1f} GiB"
         n = g["max_num_anchors"]
-        auto = {False: "off", "selective": "selective", True: "full"}[g["auto_checkpointing"]]
-        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {auto:<10} "
+        lines.append(f"  {g['gpu_gib']:>4g} GiB  {fit:<24} {MODE_WORDS[g['auto_checkpointing']]:<10} "
                      f"{n['no checkpointing']} / {n['selective checkpointing']} / {n['checkpointing']}")
     lines.append("  (auto: what train.gradient_checkpointing=auto chooses on that GPU: off where the step fits without "
                  "it, else selective where that fits, else full"
