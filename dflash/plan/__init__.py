@@ -5,11 +5,12 @@ checkpointing), model FLOPs (flops.py), the feature cache, host memory, GPU-hour
 drafter buys at a concurrency when served (serving.py: `python -m dflash.plan ... concurrency=[1,8,32] tau=...`)."""
 
 from dflash.plan.compose import compose
+from dflash.plan.configured import (active_intermediate, checkpointing_of, moe_experts, setup_of, shape_of,
+                                    sliding_window)
 from dflash.plan.memory import (BACKWARD, BUILD_BYTES, DENSE_MASK_BYTES, MODES, PERSISTENT, GiB, Setup, Shape,
-                                active_intermediate, block_mask_bytes, breakdown, checkpointing_of,
-                                choose_checkpointing, flex_padded, layer_activations, max_anchors, mode_name,
-                                moe_experts, peak, phases, sdpa_mask_bytes, selective_outputs, setup_of, shape_of,
-                                sliding_window, state_terms, terms)
+                                block_mask_bytes, breakdown, choose_checkpointing, flex_padded, layer_activations,
+                                max_anchors, mode_name, peak, phases, sdpa_mask_bytes, selective_outputs, state_terms,
+                                terms)
 from dflash.plan.report import PLAN_KEYS, active_params, build, drafter_shape, main, make_plan, make_run, render
 from dflash.plan.targets import TARGETS, target_config
 

@@ -16,8 +16,9 @@ from dataclasses import asdict, replace
 import dflash.plan.costs as costs
 from dflash.plan.compose import compose
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from dflash.plan.memory import MODE_WORDS, MODES, GiB, Setup, Shape, active_intermediate, block_mask_bytes, \
-    choose_checkpointing, max_anchors, mode_name, moe_experts, peak, setup_of, shape_of, sliding_window, terms
+from dflash.plan.configured import active_intermediate, moe_experts, setup_of, shape_of, sliding_window
+from dflash.plan.memory import MODE_WORDS, MODES, GiB, Setup, Shape, block_mask_bytes, choose_checkpointing, \
+    max_anchors, mode_name, peak, terms
 from dflash.plan.targets import target_config
 
 PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,

@@ -25,7 +25,7 @@ from dflash.config import JobConfig
 from dflash.errors import ConfigError
 from dflash.target import placement
 from dflash.target.loading import DTYPES, Target, read_config
-from dflash.plan import memory
+from dflash.plan import configured, memory
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +127,10 @@ def planned_step(job: JobConfig):
     if job.train.mode == "online":
         online = {"target_params": placement.parameter_count(hf_config, job.target.trust_remote_code,
                                                              job.target.tensor_parallel),
-                  "target_intermediate": memory.active_intermediate(text), "target_window": memory.sliding_window(text)}
-    shape = memory.shape_of(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), **online)
-    return shape, memory.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size(),
+                  "target_intermediate": configured.active_intermediate(text),
+                  "target_window": configured.sliding_window(text)}
+    shape = configured.shape_of(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)), **online)
+    return shape, configured.setup_of(job.target, job.train, job.loss, job.noise, job.data.max_length, world_size(),
                                   optim=job.optim)
 
 
@@ -166,7 +167,7 @@ def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = 
     if planned is None:
         return
     shape, setup = planned
-    setup = replace(setup, checkpointing=memory.checkpointing_of(job.train.gradient_checkpointing))
+    setup = replace(setup, checkpointing=configured.checkpointing_of(job.train.gradient_checkpointing))
     need, phase = memory.peak(shape, setup)
     if need <= budget:
         return
