@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import socket
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 
 from bench.measure import PeakMemory, matmul_flops
 from dflash.io import unused_path
+from dflash.tracking import git_commit
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -73,8 +75,10 @@ def main(argv=None) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
+    # what a result is a measurement of, as the GPU check's report records it (bench/gpu_runner.py)
+    command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     results: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "quick": args.quick,
-                     "device": str(device), "benchmarks": {}}
+                     "device": str(device), "commit": git_commit(), "command": command, "benchmarks": {}}
     results["machine"]["matmul_gflops_fp32"] = round(matmul_flops(device) / 1e9, 1)
     for name, fn in suites.SUITES.items():
         if args.only and name not in args.only:

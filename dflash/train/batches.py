@@ -30,7 +30,10 @@ class Schedule:
     a seeded permutation of all sequences, its last global batch topped up from its start. With `shares`
     (a mixture: dflash.data.mixture.shares) an epoch of the same length holds each source's share of it
     (`quotas`), drawn from an endless seeded cycle over the source's sequences (an under-weighted source shows
-    other sequences each epoch; over whole cycles every sequence of a source comes equally often), then shuffled."""
+    other sequences each epoch; over whole cycles every sequence of a source comes equally often), then shuffled.
+
+    An epoch's order is built once, on its first micro-batch, and kept until another epoch's is asked for: every
+    process and DataLoader worker builds its own (one entry: a worker reads its micro-batches in step order)."""
 
     num_sequences: int
     batch_size: int
@@ -39,6 +42,13 @@ class Schedule:
     seed: int
     shares: list[tuple[list[int], float]] | None = None
     """Per source: (its sequences' indices, its share of an epoch); None = every sequence once an epoch."""
+    _cached: tuple[int, torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    """(epoch, its order): the last order built."""
+
+    def __getstate__(self) -> dict:
+        # pickled into a DataLoader worker (spawn): the worker builds its epoch's order itself, rather than
+        # receiving num_sequences indices it may never read
+        return {**self.__dict__, "_cached": None}
 
     @property
     def global_batch(self) -> int:
@@ -48,17 +58,33 @@ class Schedule:
     def steps_per_epoch(self) -> int:
         return max(1, math.ceil(self.num_sequences / self.global_batch))
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """[num_sequences] int64: the sequence index at each position of the epoch (built once per epoch)."""
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self._build(epoch))
+        return self._cached[1]
+
     def permutation(self, epoch: int) -> list[int]:
+        return self.order(epoch).tolist()
+
+    def _build(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed_for(self.seed, "order", epoch))
         if self.shares is None:
-            return torch.randperm(self.num_sequences, generator=g).tolist()
+            return torch.randperm(self.num_sequences, generator=g)
         picked = []
         for k, ((indices, _), quota) in enumerate(zip(self.shares, self.quotas())):
+            if quota == 0:  # a source too light for a sequence this epoch: no cycle to read
+                continue
+            # source k's epoch is positions start .. start + quota - 1 of its stream, where position pos is
+            # cycle pos // n's permutation at pos % n: one randperm per cycle the epoch touches, laid end to end
             start, n = epoch * quota, len(indices)
-            for pos in range(start, start + quota):  # position pos of source k's stream: cycle pos // n
-                cycle = torch.Generator().manual_seed(seed_for(self.seed, "source", k, pos // n))
-                picked.append(indices[int(torch.randperm(n, generator=cycle)[pos % n])])
-        return [picked[i] for i in torch.randperm(len(picked), generator=g).tolist()]
+            cycles = range(start // n, (start + quota - 1) // n + 1)
+            stream = torch.cat([torch.randperm(n, generator=torch.Generator().manual_seed(
+                seed_for(self.seed, "source", k, c))) for c in cycles])
+            offset = start - cycles.start * n
+            picked.append(torch.as_tensor(indices, dtype=torch.long)[stream[offset: offset + quota]])
+        picked = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
+        return picked[torch.randperm(len(picked), generator=g)]
 
     def quotas(self) -> list[int]:
         """Each source's sequences in an epoch: its share of num_sequences, rounded so that they sum to it
@@ -72,9 +98,9 @@ class Schedule:
     def micro_batch(self, step: int, micro: int, rank: int) -> tuple[int, list[int]]:
         """(epoch, sequence indices) for one process's micro-batch of an optimizer step."""
         epoch, within = divmod(step, self.steps_per_epoch)
-        perm = self.permutation(epoch)
         start = within * self.global_batch + (micro * self.world + rank) * self.batch_size
-        return epoch, [perm[(start + j) % self.num_sequences] for j in range(self.batch_size)]
+        positions = torch.arange(start, start + self.batch_size) % self.num_sequences
+        return epoch, self.order(epoch)[positions].tolist()
 
 
 def map_tensors(obj, fn):
