@@ -145,13 +145,42 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     if retokenized:
         log.warning("%d completions came as text only and were re-tokenized (the ids may differ from what the target "
                     "generated); recorded in the manifest as completions_retokenized", retokenized)
+    settings = made_with(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=template_kwargs,
+                         regenerate=regenerate, truncated=completions.truncated,
+                         keep_results=(tools or ToolsConfig()).keep_results)
+    tool_info = talks.info()  # its tool_results_kept is the one `recorded` writes: the same keep_results
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
             "skipped": skipped, "completions_retokenized": retokenized, "truncated": truncated,
-            **({"truncated_kept": False} if completions.truncated == "drop" else {}), "chat_template": chat_template,
-            "enable_thinking": enable_thinking, "chat_template_kwargs": template_kwargs,
-            **({"regenerate": regenerate} if multi else {}), **talks.info()}
+            **recorded(settings, multi_turn=multi, tools=bool(tool_info)), **tool_info}
     return Prepared(sequences, info)
+
+
+def made_with(*, chat_template: bool, enable_thinking: bool | None, template_kwargs: dict | None, regenerate: str,
+              truncated: str, keep_results: bool) -> dict:
+    """Every setting of how a set's sequences are made from its prompts, keyed as its manifest records them. The one
+    list of them: prepare_sequences writes them (`recorded`) and the data check (dflash.train.sources) builds what
+    data.* gives now from them, so a setting added here is written and compared both, never one alone."""
+    return {"truncated_kept": truncated == "keep", "chat_template": chat_template, "enable_thinking": enable_thinking,
+            "chat_template_kwargs": dict(template_kwargs or {}), "regenerate": regenerate,
+            "tool_results_kept": keep_results}
+
+
+def recorded(settings: dict, *, multi_turn: bool, tools: bool) -> dict:
+    """made_with's `settings` as a set's info writes them, the manifest unchanged since each was added: truncated_kept
+    only when False (caches from before it counted truncated answers and kept them), regenerate only for a set with
+    multi-turn conversations and tool_results_kept only for one with tool conversations (elsewhere they change
+    nothing, and leaving them out keeps such caches matching whatever they are set to)."""
+    left_out = {"truncated_kept": settings["truncated_kept"], "regenerate": not multi_turn,
+                "tool_results_kept": not tools}
+    return {k: v for k, v in settings.items() if not left_out.get(k, False)}
+
+
+def read_record(info: dict) -> dict:
+    """A set's info (or a mixture source's entry) with the setting `recorded` leaves implicit written out:
+    truncated_kept True where truncated answers are counted (`truncated`) without it. A made_with setting still
+    absent was not recorded (a cache older than it, or one it changes nothing in): it cannot be compared."""
+    return {"truncated_kept": True, **info} if "truncated" in info else info
 
 
 def _rounds(prompts: list[Prompt], regenerate: str, turns) -> list[tuple[int, list[Prompt]]]:

@@ -15,6 +15,7 @@ from dflash.data import cache as fcache
 from dflash.data.extraction import extract_training, prepare_training, training_prompts
 from dflash.data.mixture import sampling, sources_of
 from dflash.data.prompts import BUILTIN, prompts_hash
+from dflash.data.sequences import made_with, read_record
 from dflash.data.stamp import Stamp, file_state
 from dflash.dist import Dist
 from dflash.errors import CacheError, ConfigError, DFlashError
@@ -117,11 +118,11 @@ def prompts_key(data: DataConfig) -> dict | None:
 
 def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> None:
     """Refuse a feature cache extracted from other data than data.* now asks for (other prompts, another
-    data.limit or data.offset, max length, chat template or thinking setting): the run would train on it
-    silently. The prompts are read again to compare them, once: `stamp` (the cache's) keeps their count
-    and hash with `prompts_key`, so a later start reads them only if a prompts file or a setting that
-    picks prompts has changed. Where they cannot be read here (a cache made elsewhere), the cache is
-    taken as it is, with a warning."""
+    data.limit or data.offset, max length, or any setting its sequences were made with: chat template, thinking,
+    regeneration, ...: data_now): the run would train on it silently. The prompts are read again to compare
+    them, once: `stamp` (the cache's) keeps their count and hash with `prompts_key`, so a later start reads them
+    only if a prompts file or a setting that picks prompts has changed. Where they cannot be read here (a cache
+    made elsewhere), the cache is taken as it is, with a warning."""
     made = manifest.get("data", {})
     if job.data.sources or "sources" in made:
         return check_mixture(job, manifest)
@@ -138,17 +139,8 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
         if key is not None:
             stamp.data = {"key": key, "result": read}
             stamp.save()
-    now = {"prompts": job.data.prompts, **read,
-           "max_length": job.data.max_length, "chat_template": job.data.chat_template,
-           "enable_thinking": job.data.enable_thinking, "regenerate": job.data.regenerate,
-           "chat_template_kwargs": dict(job.data.chat_template_kwargs),
-           "truncated_kept": job.data.completions.truncated == "keep",
-           "tool_results_kept": job.data.tools.keep_results}  # recorded where the data has tool conversations
-    there = {**made, "max_length": manifest.get("max_length")}
-    if "truncated" in made:  # recorded since data.completions.truncated exists: dropped ones say so
-        there.setdefault("truncated_kept", True)
-    recorded = [k for k in now if k in there]  # caches made before a setting was recorded are not refused for it
-    diff = differences({k: there[k] for k in recorded}, {k: now[k] for k in recorded})
+    now = {**data_now(job.data, read), "max_length": job.data.max_length}
+    diff = data_differences({**made, "max_length": manifest.get("max_length")}, now)
     if diff:
         raise CacheError(f"the feature cache {job.features.dir} was extracted from other data than data.* gives "
                          f"({diff}). Delete that folder to extract it anew (the completions stored "
@@ -157,24 +149,16 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
 
 def check_mixture(job: JobConfig, manifest: dict) -> None:
     """check_data for a mixture (data.sources): every source's name, prompts (read again: their count and hash),
-    rendering, sampling, truncation and tool-result handling must be the cache's, in order, and so must
-    data.max_length. The weights are not: they
-    choose among the cached sequences, the features are the same."""
+    completions sampling and every setting its sequences were made with (dflash.data.sequences.made_with) must be the
+    cache's, in order, and so must data.max_length. The weights are not: they choose among the cached sequences, the
+    features are the same."""
     now = []
     for source in sources_of(job.data):
-        data = source.data
-        prompts = training_prompts(data)
-        now.append({"name": source.name, "prompts": data.prompts,
-                    "num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts),
-                    "chat_template": data.chat_template, "enable_thinking": data.enable_thinking,
-                    "chat_template_kwargs": dict(data.chat_template_kwargs), "completions_sampling": sampling(source),
-                    "truncated_kept": data.completions.truncated == "keep",
-                    "tool_results_kept": data.tools.keep_results})
+        prompts = training_prompts(source.data)
+        read = {"num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts)}
+        now.append({"name": source.name, **data_now(source.data, read), "completions_sampling": sampling(source)})
     made = manifest.get("data", {}).get("sources", [])
-    # tool_results_kept is recorded for a source with tool conversations only (as check_data compares it)
-    now = [{k: v for k, v in n.items() if k != "tool_results_kept" or k in m} for n, m in zip(now, made)] + now[len(made):]
-    there = [{k: m.get(k, True if k == "truncated_kept" else None) for k in n} for n, m in zip(now, made)]
-    diffs = [f"source {b.get('name') or a.get('name')}: {differences(a, b)}" for a, b in zip(there, now) if a != b]
+    diffs = [f"source {n['name']}: {diff}" for m, n in zip(made, now) if (diff := data_differences(m, n))]
     if len(made) != len(now):
         diffs.insert(0, f"{len(made)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")
     if manifest.get("max_length") != job.data.max_length:
@@ -183,6 +167,25 @@ def check_mixture(job: JobConfig, manifest: dict) -> None:
         raise CacheError(f"the feature cache {job.features.dir} was extracted from another mixture than data.sources "
                          f"gives ({'; '.join(diffs)[:800]}). Delete that folder to extract it anew (each source's "
                          f"completions are kept and reused), or set features.dir to another folder")
+
+
+def data_now(data: DataConfig, read: dict) -> dict:
+    """What data.* (the plain data, or one source's) gives now, keyed as a set's manifest records it: its prompts
+    (`read`: their count and hash) and every setting its sequences are made with, from the one list of them
+    (made_with), so that no recorded setting goes uncompared."""
+    return {"prompts": data.prompts, **read,
+            **made_with(chat_template=data.chat_template, enable_thinking=data.enable_thinking,
+                        template_kwargs=data.chat_template_kwargs, regenerate=data.regenerate,
+                        truncated=data.completions.truncated, keep_results=data.tools.keep_results)}
+
+
+def data_differences(made: dict, now: dict) -> str:
+    """differences() between a cache's record of its data (`made`: its info, or a mixture source's entry) and
+    data_now, over every key of `now` the record holds: one made before a setting was recorded, or without what the
+    setting applies to (regenerate without multi-turn conversations), is not refused for it."""
+    there = read_record(made)
+    recorded = [k for k in now if k in there]
+    return differences({k: there[k] for k in recorded}, {k: now[k] for k in recorded})
 
 
 def keep_heads_only(target: Target) -> None:

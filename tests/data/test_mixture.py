@@ -37,6 +37,7 @@ def test_one_source_is_data_itself_and_a_mixture_applies_each_sources_keys():
 @pytest.mark.parametrize("sources,match", [
     ("[{prompts: p, weight: 0}]", r"data.sources\[\?\].weight=0.*must be > 0"),
     ("[{prompts: p, name: a}, {prompts: q, name: a}]", r"data.sources: the name 'a' is given to two sources"),
+    ("[{prompts: p, name: source1}, {prompts: q}]", r"data.sources: the name 'source1' is given to two sources"),
     ("[{prompts: p, wieght: 1}]", r"wieght"),
     ("[{prompts: p, name: 'a b'}]", r"name='a b'.*letters, digits"),
 ])

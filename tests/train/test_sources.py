@@ -163,3 +163,72 @@ def test_a_mixture_cache_is_refused_for_another_data_tools_keep_results(tmp_path
     listed[1]["tool_results_kept"] = False
     with pytest.raises(CacheError, match="source b: tool_results_kept: False there, True now"):
         sources.check_data(job, manifest)
+
+
+def made_now(data) -> dict:
+    """Every setting data.* makes its sequences with, keyed as a manifest records them (sequences.made_with)."""
+    from dflash.data.sequences import made_with
+
+    return made_with(chat_template=data.chat_template, enable_thinking=data.enable_thinking,
+                     template_kwargs=data.chat_template_kwargs, regenerate=data.regenerate,
+                     truncated=data.completions.truncated, keep_results=data.tools.keep_results)
+
+
+def test_every_setting_a_set_can_record_is_compared_plain_and_in_a_mixture(tmp_path):
+    """The settings prepare_sequences can write into a set's info are made_with's, all of them (a set with multi-turn
+    and tool conversations that drops truncated answers writes every one): a cache that recorded any of them otherwise
+    is refused by check_data and, for a source, by check_mixture, naming it. The keys come from made_with, so a
+    setting added there is covered here; one the record lacks (a cache made before it) is not refused."""
+    from dflash.data.mixture import sampling, sources_of
+    from dflash.data.sequences import recorded
+
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 2)
+    job = job_for(tmp_path, prompts)
+    written = recorded(made_now(job.data) | {"truncated_kept": False}, multi_turn=True, tools=True)
+    assert set(written) == set(made_now(job.data))
+    plain = manifest_of(job)
+    plain["data"] |= {"truncated": 0, **made_now(job.data)}
+    sources.check_data(job, plain)
+    two = f"data.sources=[{{prompts: {prompts}, name: a}}, {{prompts: {prompts}, name: b}}]"
+    mixed = job_for(tmp_path, prompts, two)
+    listed = [{"name": s.name, "prompts": s.data.prompts, "num_prompts": 2,
+               "prompts_sha256": plain["data"]["prompts_sha256"], "completions_sampling": sampling(s), "truncated": 0,
+               **made_now(s.data)} for s in sources_of(mixed.data)]
+    mixture = {"max_length": job.data.max_length, "data": {"sources": listed}}
+    sources.check_data(mixed, mixture)
+    for key in written:
+        other = {**plain, "data": {**plain["data"], key: ["another", plain["data"][key]]}}
+        with pytest.raises(CacheError, match=rf"other data than data.\* gives \({key}: \['another'"):
+            sources.check_data(job, other)
+        other = {**mixture, "data": {"sources": [listed[0], {**listed[1], key: ["another", listed[1][key]]}]}}
+        refused = rf"another mixture than data.sources gives \(source b: {key}: \['another'"
+        with pytest.raises(CacheError, match=refused):
+            sources.check_data(mixed, other)
+    older = {k: v for k, v in plain["data"].items() if k not in written and k != "truncated"}
+    sources.check_data(job, {**plain, "data": older})
+    older = [{k: v for k, v in s.items() if k not in written and k != "truncated"} for s in listed]
+    sources.check_data(mixed, {**mixture, "data": {"sources": older}})
+
+
+def test_a_mixture_cache_made_regenerating_the_last_turn_is_refused_for_all_turns(tmp_path, tiny_targets):
+    """Issue 65: a source's regenerate is another set of sequences (last_turn: one a conversation, all_turns: one a
+    user turn). The record prepare_training writes for multi-turn prompts holds it; the same mixture is taken, one
+    asking all_turns of that source is refused naming the source and regenerate."""
+    from dflash.data.extraction import prepare_training
+    from dflash.dist import Dist
+
+    prompts = tmp_path / "talks.jsonl"
+    prompts.write_text(json.dumps({"id": "c", "messages": [
+        {"role": "user", "content": "write a loop"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "now in reverse"}, {"role": "assistant", "content": "done"}]}) + "\n"
+        + json.dumps({"id": "o", "prompt": "one turn only"}) + "\n")
+    mixture = "data.sources=[{{prompts: {p}, name: a, regenerate: {r}}}, {{prompts: {p}, name: b}}]"
+    made = job_for(tmp_path, prompts, mixture.format(p=prompts, r="last_turn"), "data.completions.max_new_tokens=4")
+    prepared = prepare_training(made, tiny_targets["tiny_qwen3"], Dist())
+    assert [s["regenerate"] for s in prepared.info["sources"]] == ["last_turn", "all_turns"]
+    manifest = {"max_length": made.data.max_length, "data": prepared.info}
+    sources.check_data(made, manifest)
+    asked = job_for(tmp_path, prompts, mixture.format(p=prompts, r="all_turns"), "data.completions.max_new_tokens=4")
+    with pytest.raises(CacheError, match=r"source a: regenerate: 'last_turn' there, 'all_turns' now"):
+        sources.check_data(asked, manifest)
