@@ -18,12 +18,15 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from dflash.drafter.build import SHRINK_KEY
 from dflash.drafter.selector_loss import served_weights
+from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout, RunLayout
 
 
 def shrunk_copy(checkpoint: Path, shrink: float, folder: Path) -> Path:
-    """The checkpoint with its servable weights made again from its float32 ones at `shrink`."""
+    """The checkpoint with its servable weights made again from its float32 ones at `shrink`, which its config.json
+    records (dflash_config.selector_shrink: a fine-tune from the copy divides it out, dflash.drafter.build)."""
     if folder.exists():
         shutil.rmtree(folder)
     shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("train_state"))
@@ -32,6 +35,9 @@ def shrunk_copy(checkpoint: Path, shrink: float, folder: Path) -> Path:
     weights = served_weights(trained, shrink)
     save_file({k: v.to(served[k].dtype).contiguous() for k, v in weights.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
+    config = read_json(folder / "config.json")
+    config["dflash_config"][SHRINK_KEY] = float(shrink)
+    write_json(folder / "config.json", config, indent=2)
     return folder
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash.config import DrafterConfig, LayersConfig
@@ -18,6 +19,7 @@ from dflash.drafter import dflash2
 from dflash.drafter.dflash2 import DFLASH2_KEYS
 from dflash.drafter.model import (FULL, SCALE_KEYS, SLIDING_RULE, AttentionRule, DFlash2DraftModel,
                                   DFlashDraftModel, Scales, attention_keys, is_dflash2)
+from dflash.drafter.selector_loss import served_weights
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.io import read_json, write_json
 from dflash.layout import CheckpointLayout
@@ -35,7 +37,7 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
     is not 0, so it trains, and P and W follow once S moves)."""
     layer_ids = resolve_layer_ids(layers, target.num_layers)
     if cfg.init_from:
-        drafter = load_drafter(cfg.init_from)
+        drafter = load_trained(cfg.init_from)
         check_fits(drafter, target, source=f"drafter.init_from={cfg.init_from}")
         if drafter.kind != cfg.kind:
             raise ConfigError(f"drafter.init_from={cfg.init_from} is a {drafter.kind} drafter but drafter.kind="
@@ -45,7 +47,7 @@ def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
             # from here on it trains with the served rule: say so in every checkpoint, or each one would be
             # flagged on load as trained before it (a published drafter's config.json lacks the key)
             drafter.config.dflash_sliding_attention = SLIDING_RULE
-        return drafter.float()
+        return drafter
     config = drafter_config(
         target.config, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
         mask_token_id=target.mask_token_id, layer_types=cfg.resolved_layer_types(),
@@ -243,18 +245,67 @@ def load_drafter(path: str) -> DFlashDraftModel:
     return drafter
 
 
+SHRINK_KEY = "selector_shrink"
+"""dflash_config key of a DFlash 2 checkpoint written by dflash: the factor its served predecessor codebook carries
+(loss.selector_shrink), i.e. model.safetensors holds the trained codebook times it. Servers ignore it (they serve
+the weights as they are); dflash reads it to train on from the trained codebook (`load_trained`)."""
+
+
+def load_trained(path: str, weights: dict | None = None) -> DFlashDraftModel:
+    """The drafter in `path` as training continues from it (drafter.init_from, train.resume), in float32: its trained
+    weights, which for a DFlash 2 checkpoint of dflash are not the served ones (`SHRINK_KEY`). They are `weights`
+    where given (a resume has read train_state/'s float32 copy already), else that copy where the folder has one,
+    else the served weights with the predecessor codebook divided by the recorded shrink. A drafter without the key
+    (a published one, or dflash's from before it) is taken as it is: its served weights are all there is. Taking
+    the served codebook as the trained one would shrink it again at the next save (0.36 x, not 0.6 x)."""
+    drafter = load_drafter(path).float()
+    dflash = getattr(drafter.config, "dflash_config", None) or {}
+    shrink = dflash.pop(SHRINK_KEY, None)  # the module now holds trained weights: a re-export records its own
+    exact = CheckpointLayout(Path(path).expanduser()).state_file(CheckpointLayout.EXACT_WEIGHTS)
+    if weights is None and exact.exists():
+        try:
+            weights = load_file(str(exact))
+        except Exception as e:
+            raise CheckpointError(f"cannot read {exact} ({e}); it is corrupt. Delete train_state/ to start from the "
+                                  f"served weights in {path}, or use another checkpoint") from e
+    if weights is not None:
+        try:
+            drafter.load_state_dict(weights)
+        except RuntimeError as e:
+            raise CheckpointError(f"the float32 weights in {exact} do not fit {path}/config.json ({str(e)[:300]}); "
+                                  f"delete train_state/ to start from the served weights, or use another "
+                                  f"checkpoint") from e
+        return drafter
+    if shrink is not None and float(shrink) != 1.0 and drafter.candidate_selector is not None:
+        if not float(shrink) > 0:
+            raise CheckpointError(f"{path}/config.json records dflash_config.{SHRINK_KEY}={shrink}: its served "
+                                  f"predecessor codebook is 0, and the trained one is only in train_state/, which "
+                                  f"this folder lacks. Start from the checkpoint with its train_state/")
+        with torch.no_grad():
+            drafter.candidate_selector.predecessor_codebook.div_(float(shrink))
+        log.info("%s has no train_state/: training starts from its served weights, the predecessor codebook divided "
+                 "by the dflash_config.%s=%s they carry", path, SHRINK_KEY, shrink)
+    return drafter
+
+
 MODELING_FILE = "modeling_dflash.py"
 DFLASH2_FILE = "dflash2.py"
 
 
 def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, selector_shrink: float | None = None) -> None:
     """The drafter in z-lab layout, loadable wherever published DFlash drafters load: model.safetensors,
     config.json with both spellings of the rope and dtype keys (transformers 5's rope_parameters/dtype,
     and rope_theta/rope_scaling/torch_dtype that older readers take), and this package's model.py as
     modeling_dflash.py with `auto_map`, so AutoModel.from_pretrained(folder, trust_remote_code=True)
-    builds a DFlashDraftModel. `dtype` casts the saved floating-point weights (e.g. bf16 for serving)."""
+    builds a DFlashDraftModel. `dtype` casts the saved floating-point weights (e.g. bf16 for serving).
+    selector_shrink (DFlash 2, loss.selector_shrink): the weights given are the trained ones; the predecessor
+    codebook is saved times it (`served_weights`) and config.json records it (`SHRINK_KEY`), so the two never
+    disagree. None: the weights are saved as given, and config.json says what the drafter's own config says."""
     folder = Path(folder)
+    shrink = selector_shrink if drafter.candidate_selector is not None else None
+    if shrink is not None:
+        state_dict = served_weights(state_dict if state_dict is not None else drafter.state_dict(), shrink)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v
                       for k, v in (state_dict if state_dict is not None else drafter.state_dict()).items()}
@@ -273,6 +324,8 @@ def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | Non
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = config.get("dtype")
+    if shrink is not None:
+        config["dflash_config"][SHRINK_KEY] = float(shrink)
     write_json(folder / "config.json", config, indent=2)
 
 

@@ -15,7 +15,8 @@ unary(c) + P[a] (W h) S[c], and the row loss is the CE of the gold token's place
   too: the selector's loss then trains its own parameters only.
 - gold: `inject` puts a gold token missing from the top-K in the K-th's place, in the loss only (speculators);
   `strict` gives such a row no loss, and its weight leaves the normaliser (SpecForge).
-- dropout on the predecessor's codebook row, a regulariser of training only (decoding's scores have none).
+- dropout on the predecessor's codebook row, a regulariser of the loss only (decoding's scores have none, nor has
+  the choice the metrics score).
 - weights: the selector's slot weights, `decay` (exp(-(k-1)/gamma), always) or `follow` (the per-slot loss's:
   decay or D-PACE, `loss.weighting`). The loss is their weighted mean (dflash.train.step normalises it).
 - shrink: the pairwise term's weight in what is served (`served_weights`, `served_selector`) and in the choice the
@@ -154,8 +155,16 @@ def _selector_loss(selector, hidden, unary, both, labels, prev, options: Selecto
     counted = held if options.gold == "strict" else torch.ones_like(held)
     if options.gold == "strict":
         ce = torch.where(counted, ce, torch.zeros_like(ce))
-    served = scores if options.shrink == 1.0 else unary.float() + options.shrink * pair.detach()
-    choice = cand.gather(-1, served[:, :K].argmax(-1, keepdim=True))[:, 0]
+    # the choice the metrics score is the served drafter's: pairwise term times the shrink, and no dropout (decoding
+    # has none; a dropped-out choice made train/tau noisy). With dropout the term is made again for the K candidates,
+    # without a gradient and without a draw (the loss's masks, and a chunk's replay of them, stay as they are)
+    if options.dropout > 0:
+        with torch.no_grad():
+            clean = selector.pairwise(h, prev, cand).float()
+    else:
+        clean = pair[:, :K].detach()
+    served = unary[:, :K].detach().float() + options.shrink * clean
+    choice = cand.gather(-1, served.argmax(-1, keepdim=True))[:, 0]
     oracle = torch.where((cand == labels[:, None]).any(-1), labels, torch.full_like(labels, -1))
     return SelectorTerms(ce, choice, oracle, counted)
 

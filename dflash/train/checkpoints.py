@@ -41,15 +41,15 @@ def _fsync_tree(root: Path) -> None:
 def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, state: dict | None,
                     manifest: dict | None, save_dtype: str = "bfloat16",
                     save_state: Callable[[Path], None] = lambda folder: None, dist: Dist | None = None,
-                    servable: dict | None = None) -> Path:
+                    selector_shrink: float | None = None) -> Path:
     """Write checkpoint `step` atomically; returns its directory. Every process calls this: each writes its
     part of train_state/ through `save_state(folder)` (accelerate's save_state: optimizer and scheduler from the
     main process, each process's RNG; under FSDP gathering the shards, a collective), then the main process
     writes the drafter (servable weights cast to `save_dtype`), the float32 weights, `state` and `manifest`
-    (which only it needs to hold), fsyncs and renames. `servable`: the weights to serve where they are not the
-    float32 ones (loss.selector_shrink, selector_loss.served_weights). The other processes return before the
-    rename. With several nodes the run folder must be one filesystem they share (each process writes its own RNG
-    file)."""
+    (which only it needs to hold), fsyncs and renames. `selector_shrink` (DFlash 2, loss.selector_shrink): the
+    servable predecessor codebook is the float32 one times it, and config.json records it (save_drafter). The
+    other processes return before the rename. With several nodes the run folder must be one filesystem they share
+    (each process writes its own RNG file)."""
     dist = dist or Dist()
     final = run.checkpoint(step).path
     tmp = CheckpointLayout(final.parent / f".tmp-{final.name}")  # one name: every process writes into it
@@ -62,8 +62,8 @@ def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, state:
         save_state(tmp.train_state)
         dist.barrier()  # every process has written and closed its files
         if dist.is_main:
-            save_drafter(drafter, tmp.path, state_dict=state_dict if servable is None else servable,
-                         dtype=getattr(torch, save_dtype))
+            save_drafter(drafter, tmp.path, state_dict=state_dict, dtype=getattr(torch, save_dtype),
+                         selector_shrink=selector_shrink)
             save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp.state_file(tmp.EXACT_WEIGHTS)))
             write_json(tmp.state, {**state, "train_state_format": TRAIN_STATE_FORMAT})
             if manifest is not None:

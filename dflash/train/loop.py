@@ -22,10 +22,10 @@ from dflash.config import JobConfig
 from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
-from dflash.drafter.build import build_drafter, check_conv_kernel, load_drafter, use_conv_kernel
+from dflash.drafter.build import build_drafter, check_conv_kernel, load_trained, use_conv_kernel
 from dflash.drafter.model import flex_compile_count
 from dflash.drafter.recompute import compile_layers, use_checkpointing
-from dflash.drafter.selector_loss import CodebookSpan, served_selector, served_weights
+from dflash.drafter.selector_loss import CodebookSpan, served_selector
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
 from dflash.io import write_text
@@ -109,10 +109,9 @@ def train(job: JobConfig) -> Path:
                          expected_name=f"checkpoint {resume_from.name}", actual_name="the training features")
     torch.manual_seed(job.train.seed)  # here, so the init does not depend on what data preparation drew
     random.seed(job.train.seed)
-    drafter = load_drafter(str(resume_from)).float() if resume_from else build_drafter(
+    # resumed: the float32 weights (read with the training state), not the servable copy (bf16, its selector shrunk)
+    drafter = load_trained(str(resume_from), resumed["weights"]) if resume_from else build_drafter(
         job.drafter, job.layers, target, successor_init=job.loss.selector_init)
-    if resumed and resumed["weights"] is not None:  # the float32 weights, not the (bf16) servable copy
-        drafter.load_state_dict(resumed["weights"])
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
     schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed,
@@ -312,7 +311,7 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
     weights = {k: v.cpu() for k, v in weights.items()} if acc.is_main_process else {}
     path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, job.train.save_dtype,
                                 save_state=lambda folder: acc.save_state(str(folder)), dist=dist,
-                                servable=served_weights(weights, job.loss.selector_shrink))
+                                selector_shrink=job.loss.selector_shrink)
     if acc.is_main_process:
         best = tau is not None and tau == state.best_tau
         if best:

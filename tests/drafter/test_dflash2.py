@@ -75,6 +75,30 @@ def test_a_fresh_dflash2_drafter_computes_the_dflash_drafter():
         assert torch.equal(one(noise, feats, pos), two(noise, feats, pos))
 
 
+def test_an_export_records_its_selector_shrink_and_training_divides_it_out(tmp_path):
+    """save_drafter(selector_shrink=s) saves the predecessor codebook times s and records s in dflash_config
+    (selector_shrink); load_drafter serves the saved weights, load_trained (init_from, resume) starts from the trained
+    ones (here, with no train_state/: saved / s) and forgets the key, so the next export records its own. A shrink of 0
+    left nothing to divide: refused, naming the key."""
+    from dflash.drafter.build import load_trained
+    from dflash.errors import CheckpointError
+
+    model = make_dflash2()
+    key = "candidate_selector.predecessor_codebook"
+    trained = model.state_dict()[key].clone()
+    save_drafter(model, tmp_path / "s", selector_shrink=0.5)
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["dflash_config"]["selector_shrink"] == 0.5
+    assert torch.equal(load_file(tmp_path / "s" / "model.safetensors")[key], trained * 0.5)
+    assert torch.equal(load_drafter(str(tmp_path / "s")).state_dict()[key], trained * 0.5)
+    resumed = load_trained(str(tmp_path / "s"))
+    assert torch.equal(resumed.state_dict()[key], trained)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in resumed.state_dict().items())
+    assert "selector_shrink" not in resumed.config.dflash_config
+    save_drafter(model, tmp_path / "zero", selector_shrink=0.0)
+    with pytest.raises(CheckpointError, match="dflash_config.selector_shrink=0.0.*train_state/"):
+        load_trained(str(tmp_path / "zero"))
+
+
 @pytest.mark.parametrize("layer_types,window,causal", [(None, None, False),
                                                        (["sliding_attention", "full_attention"], 5, True),
                                                        (["sliding_attention", "sliding_attention"], 5, False)])

@@ -223,6 +223,25 @@ def test_the_chunked_dropout_draw_is_replayed_in_backward():
     assert torch.allclose(g_h, c_h, atol=1e-6) and torch.allclose(g_p, c_p, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", [{"chunk_logits": 0}, {"chunk_logits": 7 * V},
+                                  {"chunk_logits": 7 * V, "fused_ce": False}], ids=["whole", "fused", "checkpointed"])
+def test_dropout_leaves_the_served_choice_the_metrics_score(path):
+    """dropout is the loss's regulariser only: the choice train/tau and acc@k score (shrink 0.6 on the pairwise term,
+    as served) is the one without dropout, on every path of the loss, while the loss is the dropped-out one (issue
+    65: the metric scored the dropped-out scores)."""
+    sel, hidden, W, labels, mask = case(5)
+    out = {}
+    for dropout in (0.0, 0.5):
+        torch.manual_seed(3)
+        out[dropout] = block_terms(hidden, W, labels, mask, 2.0, selector=sel,
+                                   selector_options=SelectorOptions(dropout=dropout, shrink=0.6), **path)
+    plain, dropped = out[0.0], out[0.5]
+    assert not torch.allclose(dropped.selector_sum, plain.selector_sum)
+    assert torch.equal(dropped.selector_predictions, plain.selector_predictions)
+    assert torch.equal(dropped.oracle_predictions, plain.oracle_predictions)
+    assert (plain.selector_predictions >= 0).sum() > 50  # rows enough for a noisy choice to show
+
+
 @pytest.mark.parametrize("options,needle", [
     ({"gradient": "both"}, "gradient='both'"), ({"gold": "skip"}, "gold='skip'"), ({"weights": "dpace"}, "weights="),
     ({"dropout": 1.0}, "dropout=1.0")])

@@ -237,7 +237,8 @@ def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(w
 
 def test_the_shrink_sweep_serves_a_trained_run_at_another_shrink(workdir):
     """sweeps/selector_shrink.py's copy of a checkpoint (the previous test's run, trained at 0.5): its servable
-    predecessor codebook is the float32 one times the new value, every other weight the checkpoint's own."""
+    predecessor codebook is the float32 one times the new value, which its config.json records, every other weight
+    the checkpoint's own."""
     import importlib.util
 
     from dflash.layout import CheckpointLayout
@@ -254,3 +255,63 @@ def test_the_shrink_sweep_serves_a_trained_run_at_another_shrink(workdir):
     assert torch.equal(served[key], trained[key] * 0.25)
     assert all(torch.equal(served[k], original[k]) for k in original if k != key)
     assert not (copy / "train_state").exists() and (copy / "config.json").exists()
+    assert json.loads((copy / "config.json").read_text())["dflash_config"]["selector_shrink"] == 0.25
+
+
+def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workdir, tiny_targets, monkeypatch):
+    """drafter.init_from a DFlash 2 checkpoint trains on from its trained weights (train_state's float32 copy), not
+    from the served ones, whose predecessor codebook carries loss.selector_shrink (issue 65): after one step at
+    lr 1e-12 the fine-tune serves shrink x the trained codebook again (0.6, not 0.36), and its step-0 evaluation
+    scores what the checkpoint serves. config.json records that shrink (dflash_config.selector_shrink): a copy
+    without train_state/ starts from its served codebook divided by it, one without the key (a published drafter)
+    from its weights as they are; evaluate.py's loading reads the served weights either way."""
+    import shutil
+
+    from dflash.drafter.build import build_drafter, load_drafter
+    from dflash.evaluate import runner
+    from dflash.layout import CheckpointLayout
+
+    seen, real = [], runner.evaluate_in_run
+
+    def spy(job, drafter, *args, **kwargs):
+        seen.append(drafter.candidate_selector.predecessor_codebook.detach().clone())
+        return real(job, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_in_run", spy)
+    key = "candidate_selector.predecessor_codebook"
+    overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "eval.at_start=true")
+    base = RunLayout(train(job_for(workdir, "init-base", *overrides, "train.max_steps=2", target="tiny_qwen3")))
+    checkpoint = base.list_checkpoints()[-1][1]
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["dflash_config"]["selector_shrink"] == 0.6
+    trained = load_file(CheckpointLayout(checkpoint).state_file(CheckpointLayout.EXACT_WEIGHTS))[key]
+    served = load_file(checkpoint / "model.safetensors")[key]
+    assert torch.equal(served, trained * 0.6)
+
+    seen.clear()
+    tuned = RunLayout(train(job_for(workdir, "init-tuned", *overrides, f"drafter.init_from={checkpoint}",
+                                    "optim.lr=1e-12", "train.max_steps=1", target="tiny_qwen3")))
+    final = tuned.list_checkpoints()[-1][1]
+    again = load_file(final / "model.safetensors")[key]
+    ratio = (again.double().norm() / trained.double().norm()).item()
+    assert ratio == pytest.approx(0.6, rel=1e-6)  # 0.36 when the served codebook was taken as the trained one
+    assert torch.allclose(load_file(CheckpointLayout(final).state_file(CheckpointLayout.EXACT_WEIGHTS))[key], trained,
+                          rtol=1e-6, atol=1e-9)
+    assert torch.allclose(seen[0], served, rtol=1e-6, atol=1e-9)  # step 0 scores what the checkpoint served
+    assert json.loads((final / "config.json").read_text())["dflash_config"]["selector_shrink"] == 0.6
+
+    target = tiny_targets["tiny_qwen3"]
+    copy = workdir / "init-served-only"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(checkpoint, copy, ignore=shutil.ignore_patterns("train_state"))
+
+    def start(folder):
+        job = job_for(workdir, "unused", *SMALL, f"drafter.init_from={folder}", target="tiny_qwen3")
+        return build_drafter(job.drafter, job.layers, target).candidate_selector.predecessor_codebook.detach()
+
+    assert torch.allclose(start(copy), trained, rtol=1e-6, atol=1e-9)  # the served codebook / 0.6
+    config["dflash_config"].pop("selector_shrink")
+    (copy / "config.json").write_text(json.dumps(config))
+    assert torch.equal(start(copy), served)  # no recorded shrink: as it is
+    for folder in (checkpoint, copy):  # evaluation scores the served weights, whatever config.json records
+        assert torch.equal(load_drafter(str(folder)).candidate_selector.predecessor_codebook.detach(), served)
