@@ -7,6 +7,10 @@
     python evaluate.py checkpoint=latest eval.compare=[/path/to/reference/drafter]
     python evaluate.py checkpoint=best eval=paper eval.benchmarks_dir=/data/benchmarks   # per benchmark
     python evaluate.py checkpoint=best eval.dtype=float32   # default: the target's dtype, as servers run it
+
+Results land in runs/<run>/eval/step-<N>/ at the run's own evaluation settings (its config.yaml: the same figures
+as its in-run evaluation of that step), and beside it at other settings, in a folder that says what differs
+(step-<N>-2prompts, step-<N>-t1-k20, step-<N>-live-24tokens; metrics as eval/2prompts/*): never over it.
 """
 
 import hydra

@@ -7,7 +7,8 @@
         train_state/                   state.json weights_fp32.safetensors manifest.json (dflash's)
                                        optimizer.bin scheduler.bin random_states_<rank>.pkl
                                        [pytorch_model_fsdp.bin under FSDP] (accelerate's save_state)
-      eval/step-020000/                summary.json blocks.jsonl *.png
+      eval/step-020000/                summary.json blocks.jsonl *.png (the run's own settings; other
+                                       settings beside it: step-020000-<tag>, dflash.evaluate.settings)
     cache/<target>/<data>/features/    CacheLayout: manifest.json, shard-00000.safetensors + .json
                                        verified/rank-00000.json (what each process verified)
     cache/<target>/eval-.../           the held-out set (completions.jsonl, features-L.../)
@@ -169,7 +170,9 @@ class RunLayout:
         return sorted(found)
 
     def eval_dir(self, name: str) -> Path:
-        """eval/<name>/: `step-020000` (teacher-forced), `step-020000-live`, or a foreign drafter's name."""
+        """eval/<name>/: `step-020000` (teacher-forced, at the run's own settings), `step-020000-live`, either with
+        the tag of other settings (`step-020000-2prompts`, `-t1`: dflash.evaluate.settings), or a foreign drafter's
+        name."""
         return self.path / "eval" / name
 
     def eval_summaries(self) -> list[Path]:
@@ -177,7 +180,8 @@ class RunLayout:
 
     def step_evaluations(self) -> list[tuple[int, Path]]:
         """(step, summary.json) of the run's evaluations at its own settings (eval/step-<digits>: in-run, or
-        evaluate.py without other settings), oldest first; not those at other settings (step-000768-t1, -live)."""
+        evaluate.py at the same settings), oldest first; not those at other settings, which evaluate.py writes beside
+        them (step-000768-t1, -2prompts, -live, -2: dflash.evaluate.settings), nor earlier ones kept aside (.<date>)."""
         found = []
         for p in self.eval_summaries():
             m = STEP_DIR.fullmatch(p.parent.name)

@@ -4,8 +4,10 @@
 
 Per arm (the run name before -s<seed>), mean and sample sd over seeds of the evaluation sweeps/thinking.sh ran
 after training (the 64 held-out renames rendered with thinking on and off, greedy, teacher-forced: the decoding
-walk), read from each run's newest eval/step-*/summary.json that has both thinking slices: tau per slice (tokens
-over blocks), the same as a mean over prompts (tau_macro), and the whole set's tau; then each seed's slice taus.
+walk), read from the newest summary.json of the run's last step that has both thinking slices: its in-run
+evaluation's folder for the mix arm, beside it for the others (evaluate.py at their other data.sources:
+eval/step-000768-sources-<digest>, dflash.evaluate.settings); tau per slice (tokens over blocks), the same as a mean
+over prompts (tau_macro), and the whole set's tau; then each seed's slice taus.
 """
 
 import json
@@ -24,9 +26,17 @@ def summary_of(run: Path) -> dict | None:
     while the run is unfinished (no checkpoints/best.json: its step-0 evaluation may already have both slices)."""
     if not (run / "checkpoints" / "best.json").exists():
         return None
-    steps = [p for _, p in RunLayout(run).step_evaluations()]
-    metrics = json.loads(steps[-1].read_text())["metrics"] if steps else {}
-    return metrics if all(f"eval/slice/thinking/{s}/tau" in metrics for s in SLICES) else None
+    steps = RunLayout(run).step_evaluations()
+    if not steps:
+        return None
+    last = steps[-1][1].parent  # eval/step-000768: evaluate.py at other settings writes step-000768-<tag> beside it
+    found = []
+    for path in sorted(last.parent.glob(f"{last.name}*/summary.json"), key=lambda p: p.stat().st_mtime):
+        summary = json.loads(path.read_text())
+        metrics = summary.get("metrics", {})
+        if summary.get("mode") == "teacher_forced" and all(f"eval/slice/thinking/{s}/tau" in metrics for s in SLICES):
+            found.append(metrics)
+    return found[-1] if found else None
 
 
 def row(metrics: dict) -> dict:

@@ -82,9 +82,11 @@ def test_eval_summaries_are_the_step_evaluations(tmp_path):
 
 
 def test_step_evaluations_are_the_runs_own_settings_by_step(tmp_path):
-    """eval/step-<digits> only, by step: not evaluate.py's at other settings (-t1, -t0.6-unary) nor live ones."""
+    """eval/step-<digits> only, by step: not evaluate.py's at other settings (-t1, -t0.6-unary, -2prompts, -2) nor
+    live ones, nor an earlier evaluation kept aside under a dated name."""
     run = RunLayout(tmp_path)
-    for name in ("step-000768", "step-000000", "step-000768-t1", "step-000768-t0.6-unary", "step-000768-live"):
+    for name in ("step-000768", "step-000000", "step-000768-t1", "step-000768-t0.6-unary", "step-000768-live",
+                 "step-000768-2prompts", "step-000768-2", "step-000768.20261206-101500"):
         run.eval_dir(name).mkdir(parents=True)
         (run.eval_dir(name) / "summary.json").write_text("{}")
     assert run.step_evaluations() == [(0, run.eval_dir("step-000000") / "summary.json"),

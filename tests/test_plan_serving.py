@@ -134,3 +134,16 @@ def test_gemma4s_kv_cache_counts_each_layers_own_heads_and_the_plan_serves_it(ca
     plan.main(["experiment=gemma4_31b_it", "concurrency=[1,32]", "tau=4", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["speedup"]["1"] > out["speedup"]["32"] > 1
+
+
+@pytest.mark.parametrize("tau", ["20", "0.5", "16.5"])
+def test_a_tau_the_configured_block_cannot_keep_is_refused_in_one_line(tau, capsys, caplog):
+    """tau=20 for a block of 16 printed "speedup at tau 20.00" beside the figure of tau 16 (the model clipped it to
+    the block); a tau below 1 (less than the target's own token) is as impossible. Both stop, naming tau= and the
+    limits; the edges themselves are fine."""
+    with pytest.raises(SystemExit):
+        plan.main(["experiment=qwen3_8b", "concurrency=[1]", f"tau={tau}"])
+    assert capsys.readouterr().out == ""  # nothing printed at a tau the model did not use
+    assert f"tau={tau}: {float(tau):g} is outside [1, 16]" in caplog.text and "drafter.block_size=16" in caplog.text
+    plan.main(["experiment=qwen3_8b", "concurrency=[1]", "tau=16", "--json"])
+    assert json.loads(capsys.readouterr().out)["tau"] == 16.0

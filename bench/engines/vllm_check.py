@@ -52,7 +52,11 @@ def train_and_evaluate(name: str, overrides: list[str], work: Path) -> tuple[Pat
     run([py, "evaluate.py", *COMMON, *overrides, *runs, *EVAL, "checkpoint=latest"], work / f"{name}-eval.log")
     export = work / "runs" / name / "checkpoints" / f"step-{STEPS:06d}"
     taus: dict[str, list[int]] = {}
-    for line in (work / "runs" / name / "eval" / f"step-{STEPS:06d}-live" / "blocks.jsonl").read_text().splitlines():
+    # EVAL's settings are not the run's own: evaluate.py names the folder by what differs (dflash.evaluate.settings)
+    found = sorted((work / "runs" / name / "eval").glob(f"step-{STEPS:06d}-live*/blocks.jsonl"))
+    if len(found) != 1:
+        raise SystemExit(f"expected one live evaluation of {name} at step {STEPS}, found {[str(f) for f in found]}")
+    for line in found[0].read_text().splitlines():
         r = json.loads(line)
         if r["tree_budget"] is None:
             taus.setdefault(r["prompt_id"], []).append(r["tau"])

@@ -5,7 +5,8 @@ Teacher-forced mode scores blocks on the held-out set's cached features (dflash.
 .teacher_forced); live mode runs real speculative decoding with the target in the loop, checked
 against plain decoding (dflash.evaluate.live). Either way the features are checked against what
 each drafter was trained on (dflash.provenance), results go to runs/<name>/eval/<step>/ and eval/*
-lands in the training run's W&B run at the checkpoint's training step.
+lands in the training run's W&B run at the checkpoint's training step. An evaluation at other settings than the run's
+own lands beside its in-run one, tagged with what differs (dflash.evaluate.settings).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dflash.drafter.model import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suites
 from dflash.evaluate.plots import save_plots
+from dflash.evaluate.settings import evaluation_folder, figure_settings, job_config, reference_settings
 from dflash.evaluate.slices import slicers
 from dflash.evaluate.summary import log_eval, log_suite, print_suite, print_summary, reference_rows, train_gap
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
@@ -51,7 +53,9 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
     summary["metrics"].update(train_gap(run, step, summary["metrics"]))
     out_dir = run.eval_dir(step_name(step))
     summary["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-    write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced"})
+    # the settings the run's own evaluations are told by: evaluate.py writes here only at these (settings.py)
+    write_outputs(out_dir, records, summary, {"step": step, "mode": "teacher_forced",
+                                              "settings": figure_settings(job_config(job), in_run=True)})
     images = save_plots(out_dir, {f"step {step}": summary}) if job.eval.plots else {}
     log_eval(logger, summary, step, images)
     return summary
@@ -157,20 +161,23 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
         check_fits(d, target, source=f"drafter {p}")
         d.to(target.device, dtype)
     dist = current(job.train.collective_timeout_minutes)
-    extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch.")}
+    settings = figure_settings(job_config(job))
+    extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch."),
+             "settings": settings}
     if job.eval.mode != "live" and job.eval.temperature > 0:  # live's summary records its own (with the verifier)
         extra["sampling"] = {k: getattr(job.eval, k) for k in ("temperature", "top_p", "top_k", "selector_draw",
                                                                  "selector_truncation", "seed")}
     allowed = extra.setdefault("provenance_allowed", {})
     first = next(iter(drafters))
-    tag = sampling_tag(job.eval)
-    name = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "") + (
-        f"-{tag}" if tag else "")
-    main_out = RunLayout(run.path if run is not None else Path(job.run.root)).eval_dir(name)
+    base = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "")
+    # beside the run's own evaluation at other settings, never over it; the tag also namespaces the logged metrics
+    own = reference_settings(run.trained_config()) if run is not None and run.config.exists() else None
+    layout = RunLayout(run.path if run is not None else Path(job.run.root))
+    main_out, tag = evaluation_folder(layout.eval_dir(base).parent, base, settings, own)
     outs = {label: main_out if label == first else main_out / "compare" / folder_name(label) for label in drafters}
     logged = run is not None and step is not None and training_manifest(path) is not None
     if job.eval.suite is not None:
-        return evaluate_suite(job, benches, drafters, target, dist, extra, outs, run, step, logged)
+        return evaluate_suite(job, benches, drafters, target, dist, extra, outs, run, step, logged, tag)
     summaries = {}
     for label, (p, drafter) in drafters.items():
         records, summary = score(job, label, p, drafter, target, dist, allowed)
@@ -244,27 +251,14 @@ def folder_name(label: str) -> str:
     return label.replace("/", "__")
 
 
-def sampling_tag(cfg) -> str:
-    """'' at temperature 0; else t<T>[-p<top_p>][-k<top_k>][-sel][-vocabulary|-unary]: the suffix of a sampled
-    evaluation's folder (eval/step-000768-t1/) and the namespace of the metrics it logs (eval/t1/tau_expected,
-    eval/t1/live_tau), so a greedy and a sampled evaluation of one checkpoint never share a curve or the run's best
-    eval/tau. `-sel`: top-p / top-k applied to DFlash 2's draw too (eval.selector_truncation); `-vocabulary`,
-    `-unary`: DFlash 2 drawing over another set (eval.selector_draw); each another draft distribution."""
-    if cfg.temperature <= 0:
-        return ""
-    truncated = cfg.top_p < 1 or cfg.top_k
-    return (f"t{cfg.temperature:g}" + (f"-p{cfg.top_p:g}" if cfg.top_p < 1 else "")
-            + (f"-k{cfg.top_k}" if cfg.top_k else "") + ("-sel" if truncated and cfg.selector_truncation else "")
-            + ("" if cfg.selector_draw == "candidates" else f"-{cfg.selector_draw}"))
-
-
 def tagged(summary: dict, tag: str) -> dict:
-    """The summary as logged: its eval/* metrics under eval/<tag>/ when sampled (mode `sampled`: no best-tau
-    update, no per-position tables), else as it is."""
+    """The summary as logged: its eval/* metrics under eval/<tag>/ at other settings than the run's (sampled, fewer
+    prompts, ...: dflash.evaluate.settings; mode `other_settings`: no best-tau update, no per-position tables), so
+    they stay off the run's eval/* curves; else as it is."""
     if not tag:
         return summary
     metrics = {k.replace("eval/", f"eval/{tag}/", 1): v for k, v in summary["metrics"].items()}
-    return {**summary, "metrics": metrics, "mode": "sampled"}
+    return {**summary, "metrics": metrics, "mode": "other_settings"}
 
 
 def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed: dict) -> tuple[list[dict], dict]:
@@ -286,11 +280,11 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
 
 
 def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict, target, dist, extra: dict,
-                   outs: dict[str, Path], run: RunLayout | None, step: int | None, logged: bool) -> dict:
+                   outs: dict[str, Path], run: RunLayout | None, step: int | None, logged: bool, tag: str = "") -> dict:
     """Every drafter on every benchmark of eval.suite, each benchmark its own held-out set: per benchmark
     <out>/<bench>/ (summary.json, blocks.jsonl, plots), and <out>/summary.json with eval/<bench>/*, the mean over
     benchmarks (eval/<suite>/*), every prompt's tau, the references beside them and the train/eval gap; logged
-    to the training run's W&B run when `logged`."""
+    to the training run's W&B run when `logged`, under eval/<tag>/ when tagged (other settings than the run's)."""
     first = next(iter(drafters))
     own = {label: {**extra, "label": label, "drafter": str(p)} for label, (p, _) in drafters.items()}
     for label in drafters:  # opens the folders: an earlier evaluation there is kept under a dated name
@@ -320,7 +314,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
     print_suite(results, job.eval.mode)
     if logged:
         logger = RunLogger(run, job.logger, job, job_type="eval")
-        log_suite(logger, tagged(results[first], sampling_tag(job.eval)), step)
+        log_suite(logger, tagged(results[first], tag), step)
         logger.finish()
     log.info("evaluation written to %s", outs[first])
     return results[first]["metrics"]

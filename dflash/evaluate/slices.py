@@ -5,7 +5,7 @@ contexts).
 A slicer maps a block's record (teacher-forced: dflash.evaluate.teacher_forced's; live: a step of live decoding)
 to its slice's name:
 - source: the mixture view the item belongs to (dflash.data.mixture.views: its <view>/ id prefix), "all" without
-  data.sources;
+  data.sources (where a prompt's own id may hold a "/", gsm8k/12, and names no view);
 - thinking: that view's thinking switch, on, off or default (the chat template's own);
 - tools: "tools" for an item whose conversation holds tool calls or tool results (its record's `tools`), else
   "text";
@@ -33,9 +33,14 @@ def slicers(job: JobConfig) -> dict[str, Callable[[dict], str]]:
     """{kind: record -> slice name} for each kind of eval.slices."""
     switch = {name: source.data.enable_thinking for name, source in views(job.data)}
     names = {True: "on", False: "off", None: "default"}
+    mixed = "" not in switch  # ids carry a <view>/ prefix only in a mixture: "gsm8k/12" alone is one prompt's own id
+
+    def view(record: dict) -> str:
+        return source_of(record["prompt_id"]) if mixed else ""
+
     every = {
-        "source": lambda r: source_of(r["prompt_id"]) or "all",
-        "thinking": lambda r: names[switch.get(source_of(r["prompt_id"]), job.data.enable_thinking)],
+        "source": lambda r: view(r) or "all",
+        "thinking": lambda r: names[switch.get(view(r), job.data.enable_thinking)],
         "tools": lambda r: "tools" if r.get("tools") else "text",
         "length": lambda r: length_bucket(r["anchor"]),
     }

@@ -13,7 +13,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
     """eval/* scalars at the checkpoint's training step; per-position accuracy as a table (plots
     as a curve per run), the tau histogram and the plots as images."""
     logger.log(summary["metrics"], step)
-    if logger.wandb is None or summary.get("mode") in ("live", "sampled"):  # sampled: eval/<tag>/*, runner.tagged
+    if logger.wandb is None or summary.get("mode") in ("live", "other_settings"):  # eval/<tag>/*: runner.tagged
         return
     logger.summary(best_summary(logger.run, summary["metrics"]["eval/tau"], step))
     import wandb
@@ -229,7 +229,7 @@ def log_suite(logger, suite: dict, step: int) -> None:
     eval/prompts (every prompt: benchmark, id, tau, blocks), eval/benchmarks (tau per benchmark beside the
     references'). The run's best eval/tau is left to the single-set evaluations (another set of prompts)."""
     logger.log(suite["metrics"], step)
-    if logger.wandb is None or suite.get("mode") == "sampled":
+    if logger.wandb is None or suite.get("mode") == "other_settings":
         return
     import wandb
 

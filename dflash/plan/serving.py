@@ -264,12 +264,15 @@ def predict(shape, text, tau: float | None, gpu: str, concurrency: list[int], co
             overhead_s: float = 0.0) -> dict:
     """The serving model for a drafter of the plan's Shape on a GPU's roofline (the plan's configured drafter, live
     evaluation's summary): {gpu, forwards_from, context, output_tokens, tau, plain_step_ms and spec_step_ms per C,
-    and with a measured tau (at most the block) speedup: {C: ratio}}; `overhead_s` the engine's time a step."""
+    and with a measured tau speedup: {C: ratio}}; `overhead_s` the engine's time a step. tau is in [1, block size]:
+    a step keeps at most the block (plan_serving refuses any other tau= in one line)."""
+    if tau is not None and tau > shape.block_size:
+        raise ValueError(f"tau {tau} is more than the block size {shape.block_size}: no step keeps that many tokens")
     device = GPUS[gpu.lower()]
     base, fw = roofline(target_model(text, shape, context), drafter_model(shape, shape.layers), shape.block_size,
                         shape.block_size, device, concurrency, context, overhead_s)
     out = {"gpu": device.name, "forwards_from": fw.where, "context": context, "output_tokens": tokens,
-           "tau": None if tau is None else min(tau, shape.block_size),
+           "tau": tau,
            "plain_step_ms": {c: base.tpot[c] * 1e3 for c in concurrency},
            "spec_step_ms": {c: decode_step(c, base, fw) * 1e3 for c in concurrency}}
     if tau is not None:
@@ -289,6 +292,12 @@ def plan_serving(shape, text, target_path: str, opts: dict) -> dict:
     context, tokens, overhead = int(opts["context"]), float(opts["output_tokens"]), opts["overhead_ms"] / 1e3
     target = target_model(text, shape, context)
     tau, where = read_tau(str(opts["tau"]), target_path, shape.block_size) if opts["tau"] != "" else (None, None)
+    if tau is not None and not 1 <= tau <= shape.block_size:  # the model would price another tau than it prints
+        from dflash.errors import ConfigError
+
+        raise ConfigError(f"tau={opts['tau']}: {tau:g} is outside [1, {shape.block_size}]: a step keeps the target's "
+                          f"own token and at most the block (drafter.block_size={shape.block_size}); give tau in "
+                          f"[1, {shape.block_size}]")
 
     def costs(layers: int, block: int) -> tuple[Baseline, Forwards]:
         return roofline(target, drafter_model(shape, layers), block, block, gpu, conc, context, overhead)

@@ -70,3 +70,38 @@ def test_many_chunks_in_bfloat16_stay_close_to_float32():
     exact = chunked.attend(q, k, v, D**-0.5)
     half = chunked.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), D**-0.5)
     assert half.dtype == torch.bfloat16 and (half.float() - exact).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2)], ids=["2 query heads a kv head", "3 query heads a kv head"])
+def test_many_chunks_backward_equals_one_sdpa_call(rule, heads, monkeypatch):
+    """The CPU path over several chunks (each chunk's flash backward adds its context prefix into one key and value
+    gradient, its own queries' rows into the query gradient), grouped-query heads, two sequences with padding blocks:
+    forward and the gradients of q, k, v equal autograd through one SDPA call over every packed key. Chunks of 1
+    block (the first one sees no context: both anchors 0) and of 3, small so the test is; the production chunking
+    (one chunk here) beside them."""
+    import dflash.drafter.blocks as blocks_module
+
+    window, causal = RULES[rule]
+    h, hkv = heads
+    anchors = [[0, 2, 3, 5, 9, 12, 17, 18, 20, 26, 27], [0, 1, 4, 8, 9, 15, 22]]
+    for per_chunk_tokens, chunks in ((B, 11), (3 * B, 4), (blocks_module.BLOCKS_PER_CHUNK_TOKENS, 1)):
+        monkeypatch.setattr(blocks_module, "BLOCKS_PER_CHUNK_TOKENS", per_chunk_tokens)
+        blocks = packed(anchors)
+        b, n = blocks.anchors.shape
+        Q, K = n * B, blocks.ctx_len + n * B
+        attention = AttentionRule(causal, window)
+        chunked = packed_attention_masks(blocks, [attention], None, "sdpa")[attention]
+        assert len(chunked.chunks) == chunks and (chunks != 11 or chunked.chunks[0].ctx_len == 0)
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(b, heads_, length, D, generator=g, requires_grad=True)
+                   for heads_, length in ((h, Q), (hkv, K), (hkv, K)))
+        grad = torch.randn(b, h, Q, D, generator=g)
+        valid = blocks.valid.repeat_interleave(B, 1)[:, None, :, None]  # a padding block's output is never read
+        ours, ref = chunked.attend(q, k, v, D**-0.5), reference(q, k, v, blocks, window, causal)
+        assert (ours - ref).mul(valid).abs().max() < 1e-5
+        got = torch.autograd.grad(ours, (q, k, v), grad * valid)
+        want = torch.autograd.grad(ref, (q, k, v), grad * valid)
+        for name, a, r in zip("qkv", got, want):
+            assert torch.isfinite(a).all(), name
+            assert (a - r).abs().max() < 1e-5, (name, per_chunk_tokens, (a - r).abs().max().item())

@@ -143,6 +143,48 @@ def test_the_in_run_evaluation_scores_the_drafter_its_checkpoint_serves(tmp_path
     assert [json.loads(line) for line in in_run.splitlines()] == [json.loads(line) for line in post_hoc.splitlines()]
 
 
+def test_an_evaluation_at_other_settings_lands_beside_the_runs_own(trained, caplog):
+    """evaluate.py with fewer prompts replaced the in-run evaluation of that step (summary.json, blocks.jsonl) with its
+    figures, and the run's curve read them. Now the run's own stays byte for byte, the other lands beside it in a
+    folder whose name says what differs, its metrics under a namespace of their own; the report's curve still reads
+    the in-run figures. The same command again rewrites its own folder (the same settings, recorded in it)."""
+    import logging
+
+    from dflash.evaluate.report import load_run
+    from dflash.layout import RunLayout
+
+    tmp, run = trained
+    copy = tmp / "runs" / "r1other"  # the module's run stays as the other tests expect it
+    shutil.copytree(run, copy)
+    own = copy / "eval" / "step-000004"
+    before = {f: (own / f).read_bytes() for f in ("summary.json", "blocks.jsonl")}
+    kept = set(copy.glob("eval/step-000004.*"))  # evaluations at the run's settings before this test's, kept aside
+    in_run = json.loads(before["summary.json"])
+    assert in_run["settings"]["eval.max_prompts"] == 2 and in_run["metrics"]["eval/prompts"] == 2
+    with caplog.at_level(logging.INFO, logger="dflash.evaluate.settings"):
+        metrics = evaluate(eval_job(tmp, "run.name=r1other", "checkpoint=latest", "eval.max_prompts=1"))
+    assert {f: (own / f).read_bytes() for f in before} == before
+    assert set(copy.glob("eval/step-000004.*")) == kept  # not moved aside either: left where it was
+    other = copy / "eval" / "step-000004-1prompts"
+    summary = json.loads((other / "summary.json").read_text())
+    assert summary["settings"] == {**in_run["settings"], "eval.max_prompts": 1} and metrics["eval/prompts"] == 1
+    assert "eval.max_prompts: 2 there, 1 here" in caplog.text and "eval/1prompts/*" in caplog.text
+    # the run's curve: its own folder, and eval/tau in metrics.jsonl only from the in-run evaluations
+    assert [p.parent.name for _, p in RunLayout(copy).step_evaluations()][-1] == "step-000004"
+    assert load_run(copy)["evals"][4] == in_run
+    logged = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/1prompts/tau"] for r in logged if "eval/1prompts/tau" in r] == [metrics["eval/tau"]]
+    assert [r["step"] for r in logged if "eval/tau" in r] == [r["step"] for r in map(json.loads, (
+        run / "metrics.jsonl").read_text().splitlines()) if "eval/tau" in r]
+    # the same settings again: the same folder (its figures again, the earlier copy kept under a dated name)
+    evaluate(eval_job(tmp, "run.name=r1other", "checkpoint=latest", "eval.max_prompts=1"))
+    assert json.loads((other / "summary.json").read_text())["metrics"] == summary["metrics"]
+    assert len(list(copy.glob("eval/step-000004-1prompts*"))) == 2
+    # the run's own settings: its own folder, the same figures
+    assert evaluate(eval_job(tmp, "run.name=r1other", "checkpoint=latest"))["eval/tau"] == in_run["metrics"]["eval/tau"]
+    assert json.loads((own / "summary.json").read_text())["settings"] == in_run["settings"]
+
+
 def test_reference_drafter_evaluates_next_to_the_checkpoint(trained, capsys):
     tmp, run = trained
     ref = tmp / "reference"
@@ -275,7 +317,7 @@ def test_live_mode_is_lossless_and_reports_real_tau(trained, capsys):
                                 "eval.ddtree_budgets=[4]"))
     assert metrics["eval/live_tokens"] == 48 and 1.0 <= metrics["eval/live_tau"] <= 8
     assert metrics["eval/live_ddtree@4_tau"] >= 1.0 and metrics["eval/live_ties"] == 0
-    assert (run / "eval/step-000004-live/summary.json").exists()
+    assert (run / "eval/step-000004-live-24tokens-ddtree-4/summary.json").exists()  # the run's: 40 tokens, [2, 8]
     assert "tok/forward" in capsys.readouterr().out
 
 
@@ -376,12 +418,14 @@ def test_a_complete_heldout_set_evaluates_with_the_heads_alone(tmp_path, monkeyp
 
 
 def test_eval_dtype_is_the_targets_unless_asked_and_is_recorded(trained):
-    """auto = the target's dtype (float32 for the tiny target); bfloat16 on request, close to it."""
+    """auto = the target's dtype (float32 for the tiny target); bfloat16 on request, close to it, beside the run's own
+    float32 evaluation (another setting: its own folder)."""
     tmp, run = trained
     auto = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.plots=false"))
     assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "float32"
     bf16 = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.plots=false", "eval.dtype=bfloat16"))
-    assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((run / "eval" / "step-000004-bfloat16" / "summary.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((run / "eval" / "step-000004" / "summary.json").read_text())["dtype"] == "float32"
     assert bf16["eval/blocks_all_anchors"] == auto["eval/blocks_all_anchors"]
     assert abs(bf16["eval/tau_all_anchors"] - auto["eval/tau_all_anchors"]) < 0.25
 
@@ -407,7 +451,7 @@ def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained,
                                 "eval.suite=gsm8k+humaneval+mt_bench", f"eval.benchmarks_dir={tmp_path}/bench",
                                 f"eval.references={refs}", f"eval.compare=[{other}]"))
     benches = ["gsm8k", "humaneval", "mt_bench"]
-    out = copy / "eval" / "step-000004"
+    out = copy / "eval" / "step-000004-suite-gsm8k+humaneval+mt_bench-from-bench"  # beside the in-run one
     summary = json.loads((out / "summary.json").read_text())
     for b in benches:
         one = json.loads((out / b / "summary.json").read_text())
@@ -468,7 +512,8 @@ def test_a_suite_in_live_mode_reports_tokens_per_forward_per_benchmark(trained, 
                                 "eval.ddtree_budgets=[]", "eval.suite=coding", "eval.max_prompts=2"))
     assert metrics["eval/coding/live_tokens"] == 16 and metrics["eval/mean/live_tau"] == metrics["eval/coding/live_tau"]
     assert metrics["eval/mean/live_tokens_per_forward"] == metrics["eval/coding/live_tokens_per_forward"]
-    summary = json.loads((run / "eval" / "step-000004-live" / "summary.json").read_text())
+    out = run / "eval" / "step-000004-live-suite-coding-8tokens-ddtree-none"  # the run's: no suite, 40 tokens, [2, 8]
+    summary = json.loads((out / "summary.json").read_text())
     assert len(summary["prompts"]) == 2 and all(p["blocks"] >= 1 for p in summary["prompts"])
     printed = capsys.readouterr().out
     assert "tok/forward" in printed and any(line.startswith("coding") for line in printed.splitlines())
@@ -511,7 +556,7 @@ def test_the_sampling_tag_names_a_truncated_selector_apart():
     """eval.selector_truncation changes DFlash 2's draft distribution only where top-p or top-k truncate: the
     metrics' namespace says so then, and only then."""
     from dflash.config.run import EvalConfig
-    from dflash.evaluate.runner import sampling_tag
+    from dflash.evaluate.settings import sampling_tag
 
     assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9)) == "t1-p0.9"
     assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9, selector_truncation=True)) == "t1-p0.9-sel"

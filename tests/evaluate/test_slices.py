@@ -29,6 +29,19 @@ def test_each_block_goes_to_its_slice_and_each_slice_gets_the_walks_tau():
     assert slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny"])) == {}
 
 
+def test_a_prompt_id_with_a_slash_is_its_own_id_without_a_mixture():
+    """Benchmark ids hold a "/" (gsm8k/12, HumanEval/0): without data.sources no id has a view prefix, so every
+    block is in the slice "all" and the data's thinking switch; in a mixture the view is the id's first part."""
+    plain = slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[source,thinking]"]))
+    steps = [({"prompt_id": "gsm8k/12", "anchor": 0}, 2), ({"prompt_id": "HumanEval/0", "anchor": 0}, 4)]
+    m = slice_metrics(steps, plain, "eval")
+    assert [k for k in m if k.endswith("/tau")] == ["eval/slice/source/all/tau", "eval/slice/thinking/off/tau"]
+    assert m["eval/slice/source/all/prompts"] == 2
+    mixed = slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE, "eval.slices=[source,thinking]"]))
+    m = slice_metrics([({"prompt_id": "think/gsm8k/12", "anchor": 0}, 3)], mixed, "eval")
+    assert m["eval/slice/source/think/tau"] == 3.0 and m["eval/slice/thinking/on/tau"] == 3.0
+
+
 def test_an_unknown_slice_is_refused():
     with pytest.raises(Exception, match=r"eval.slices\[\*\]"):
         compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[thinkng]"])
