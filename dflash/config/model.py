@@ -24,8 +24,16 @@ class TargetConfig:
     """Hugging Face model id or local directory of the target."""
     build: str | None = None
     """Built-in target recipe (toy, or a tiny random-weight one of BUILDS): built into `path` on first use."""
+    gguf: str | None = None
+    """A GGUF file to make the target from (a path, or pkg:<package>/<file> for one a Python package ships):
+    dequantized once into `path` (float32), then loaded from there (dflash.target.gguf)."""
     mask_token_id: int = MISSING
-    """Token id fed at every masked block slot (an embedding row of the target)."""
+    """Token id fed at every masked block slot (an embedding row of the target): a token the model never writes
+    (not its end of turn, padding or any token its chat template or generation config can produce)."""
+    mask_token: str | None = None
+    """The text of mask_token_id in the target's tokenizer ("" for an embedding row past the tokenizer's tokens),
+    checked when the target loads, so a preset's mask token is never silently reused for another model (a new
+    target.path with the old id): the presets set it; null = not checked."""
     num_layers: int | None = None
     """Expected number of decoder layers; checked against the loaded model when set."""
     dtype: str = "bfloat16"
@@ -59,6 +67,9 @@ class TargetConfig:
         positive("target.num_layers", self.num_layers)
         if self.build is not None:
             one_of("target.build", self.build, set(BUILDS))
+            if self.gguf is not None:
+                raise ConfigError(f"target.build={self.build} and target.gguf={self.gguf} both make the target; "
+                                  f"set target.build=null to make it from the GGUF file")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
             raise ConfigError(f"target.device={self.device!r}: use auto, cpu, cuda or cuda:N")
 

@@ -20,7 +20,9 @@ from torch import nn
 
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
+from dflash.target import gguf
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
+from dflash.target.mask import OWN_MODEL, check_mask_token
 from dflash.target.quantization import check_heads, declared, loading_kwargs, record
 from dflash.target.scales import IDENTITY, target_scales
 from dflash.target.sharding import full_copy, load_sharded
@@ -183,8 +185,8 @@ def ensure_built(cfg: TargetConfig) -> None:
 @functools.lru_cache(maxsize=None)
 def _warn_own_build(dest: Path, name: str) -> None:
     """Once per folder and process (a run loads the target more than once)."""
-    log.warning("%s holds a build of target %s other than the one this dflash ships, not installed by dflash: "
-                "using it as it is (delete the folder for the shipped build)", dest, name)
+    log.warning("target.path=%s holds a model dflash did not install: target.build=%s applies to dflash's own "
+                "folders only, so it is loaded as it is (set target.build=null to say so)", dest, name)
 
 
 def _distributed_rank() -> int:
@@ -221,8 +223,8 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     common = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
     text_config = hf_config.get_text_config()
     if cfg.num_layers is not None and text_config.num_hidden_layers != cfg.num_layers:
-        raise ConfigError(f"target.num_layers={cfg.num_layers} but {path} has "
-                          f"{text_config.num_hidden_layers} layers; fix the preset or target.path")
+        raise ConfigError(f"target.num_layers={cfg.num_layers} (target {cfg.name}) but {path} has "
+                          f"{text_config.num_hidden_layers} layers: fix the preset or target.path ({OWN_MODEL})")
     tokenizer = AutoTokenizer.from_pretrained(path, **common)
     dtype = DTYPES[cfg.dtype]
     quantized = declared(hf_config)
@@ -244,13 +246,13 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
         embed, head = full_copy(model.get_input_embeddings()), full_copy(model.get_output_embeddings())
         kernels = kernel_report(model, list(getattr(text_config, "layer_types", None) or []))
         scales = target_scales(text_config, embed)
-    if not 0 <= cfg.mask_token_id < embed.weight.shape[0]:
-        raise ConfigError(f"target.mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
-                          f"[0, {embed.weight.shape[0]}); set the id of the mask token of {cfg.name}")
+    check_mask_token(cfg, tokenizer, embed.weight.shape[0], _generation_config(model, path))
+    quantization = (record(quantized, model_dir, model) if quantized
+                    else gguf.record(model_dir) if model_dir is not None else None)
     target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
                     embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
                     kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown",
-                    scales=scales, quantization=record(quantized, model_dir, model) if quantized else None)
+                    scales=scales, quantization=quantization)
     if not heads_only:
         target.tp = tp
         target.sharding = sharding
@@ -263,6 +265,18 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     log.info("target %s: %d layers, hidden %d, %s on %s%s", cfg.name, target.num_layers, target.hidden_size,
              cfg.dtype, device, f", kernels {kernel_backend(kernels)}" if kernels else " (heads only)")
     return target
+
+
+def _generation_config(model, path: str):
+    """The target's generation config: the loaded model's, else its folder's (heads-only loads); None if none."""
+    if model is not None:
+        return getattr(model, "generation_config", None)
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
 
 
 def as_target(model, tokenizer=None, mask_token_id: int | None = None) -> Target:
@@ -288,6 +302,8 @@ def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:
     from transformers import AutoConfig
 
     ensure_built(cfg)
+    if cfg.gguf is not None:
+        gguf.ensure_dequantized(cfg.gguf, Path(cfg.path).expanduser())
     model_dir = local_model_dir(cfg.path, cfg.revision)
     path = str(model_dir) if model_dir is not None else cfg.path
     try:

@@ -275,7 +275,8 @@ def test_a_toy_target_built_at_its_own_path_is_used_as_it_is(tmp_path, monkeypat
         ensure_built(TargetConfig(name="toy", path=str(dest), build="toy", mask_token_id=5))
     assert (dest / "toy_info.json").read_text() == mine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my_toy"]
-    assert "not installed by dflash: using it as it is" in caplog.text
+    assert "did not install" in caplog.text and "loaded as it is" in caplog.text
+    assert "delete" not in caplog.text  # a user's folder is never to be deleted, not even in advice
 
 
 def test_an_untied_checkpoint_without_lm_head_is_refused_not_given_embed_tokens(tmp_path):
