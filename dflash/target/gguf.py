@@ -157,9 +157,11 @@ def ensure_dequantized(spec: str, dest: Path) -> None:
 
 
 def _write_folder(path: Path, out: Path) -> None:
-    """The GGUF file's model as transformers dequantizes it, saved as a plain float32 HF folder (transformers
-    refuses to save the GGUF-loaded model itself: its weights are copied into one built from the same config)."""
+    """The GGUF file's model as transformers dequantizes it, saved as a plain float32 HF folder: its config without
+    the GGUF quantization entry, its weights as safetensors (a tied head left to the tying, as save_pretrained
+    does), its generation config and tokenizer (transformers refuses save_pretrained of a GGUF-loaded model)."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
@@ -171,19 +173,14 @@ def _write_folder(path: Path, out: Path) -> None:
                           f"file of an architecture transformers reads (llama, mistral, qwen2/3, gemma3, ...), or "
                           f"convert the model to an HF folder and set target.path to it") from e
     config = loaded.config
-    config.quantization_config = None
-    if hasattr(config, "_name_or_path"):
-        config._name_or_path = ""
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
-    if unexpected or [k for k in missing if "lm_head" not in k]:  # a tied head is filled by tying
-        raise TargetError(f"dequantizing {path}: weights did not map onto {type(plain).__name__} (missing "
-                          f"{missing[:3]}, unexpected {unexpected[:3]}); this GGUF file is not supported")
-    plain.tie_weights()
-    plain.generation_config = loaded.generation_config
-    del loaded
-    plain.config.__dict__.pop("quantization_config", None)
-    plain.save_pretrained(out)
+    config.__dict__.pop("quantization_config", None)
+    config._name_or_path = ""
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    weights = {k: v.detach().contiguous() for k, v in loaded.state_dict().items()
+               if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    loaded.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
