@@ -13,11 +13,18 @@ after the target's transform and verifies by rejection sampling (dflash.evaluate
 distributed exactly as plain sampling's (tests/evaluate/test_lossless_sampling.py shows it statistically).
 verifier="seeded" instead draws the target's token at position t from a generator seeded by (seed, t), as
 `greedy_generate` does, and accepts exact matches: the output then equals plain decoding token for token.
+
+Timing (`Clock`, asked for by passing one): a decoding's wall-clock split into the target's prefill, the drafter's
+work per step (its forward, head and selector, the drafts or the DDTree built from them), the target's verification
+forward, and the rest (acceptance, cache trimming, masks, stop checks); plain decoding's into its prefill and its
+one-token forwards. On CUDA a clock synchronises the device at each split, as timing kernels launched asynchronously
+needs; without a clock nothing synchronises beyond what decoding itself reads back.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +39,45 @@ from dflash.evaluate.states import new_cache, settle
 from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
 from dflash.target.loading import as_target
+
+
+class Clock:
+    """Wall-clock seconds of a decoding by part, `seconds[part]`, and how often each part ran, `counts[part]`.
+
+    `lap(part)` charges the time since the last lap (or `start`) to `part`, so the parts add up to the time between
+    `start` and the last lap, nothing counted twice or left out. One clock may time many decodings: the parts add up
+    across them (each decoding calls `start` on entry). On CUDA each lap first waits for the device
+    (torch.cuda.synchronize): kernels run asynchronously, and a lap without it would charge a forward to whichever
+    part next reads a result back. Decoding reads each step's tokens back anyway, so the waits cost little."""
+
+    def __init__(self, device: torch.device | str | None = None, on: bool = True):
+        self.on = on
+        self.cuda = on and device is not None and torch.device(device).type == "cuda"
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.last = 0.0
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.on:
+            self.last = self._now()
+
+    def lap(self, part: str) -> None:
+        if not self.on:
+            return
+        now = self._now()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.counts[part] = self.counts.get(part, 0) + 1
+        self.last = now
+
+
+OFF = Clock(on=False)
+"""The clock of a decoding nobody times: every lap returns at once, nothing synchronises."""
 
 
 @dataclass
@@ -53,19 +99,26 @@ class SpecResult:
 @torch.no_grad()
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                     seed: int = 0, stop_token_ids: list[int] | None = None, top_p: float = 1.0,
-                    top_k: int = 0, stop_strings: list[str] | None = None) -> torch.Tensor:
+                    top_k: int = 0, stop_strings: list[str] | None = None, clock: Clock | None = None) -> torch.Tensor:
     """Plain decoding, one token per target forward, through the same feature function: greedy, or at
     temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.evaluate.rules). Stops
-    after max_new_tokens, a stop token, or the token that completes one of `stop_strings` (dflash.data.stops)."""
+    after max_new_tokens, a stop token, or the token that completes one of `stop_strings` (dflash.data.stops).
+    clock: times the decoding into `prefill` (the prompt's forward and first token) and `decode` (each one-token
+    forward with its sampling: counts["decode"] of them)."""
+    clock = clock or OFF
+    clock.start()
     target = as_target(target)
     sampling = Sampling(temperature, top_p, top_k)
     stops, strings = set(stop_token_ids or []), stop_strings_of(target, stop_strings)
     cache = new_cache(target, recording=False)
     out = target_forward(target, input_ids, [], cache=cache, logits_to_keep=1)
     ids = input_ids[0].tolist()
+    part = "prefill"  # the first token comes from the prompt's forward, each later one from a one-token forward
     while True:
         token = plain_sample(out.logits[0, -1:], sampling, seed, len(ids))[0]
         ids.append(token)
+        clock.lap(part)
+        part = "decode"
         if len(ids) - input_ids.shape[1] >= max_new_tokens or token in stops or (
                 strings and strings.first(ids, len(ids) - 1) is not None):
             break
@@ -80,7 +133,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
                          seed: int = 0, tree: str = "marginal", top_p: float = 1.0, top_k: int = 0,
                          verifier: str = "rejection", stop_strings: list[str] | None = None,
                          selector_draw: str = "candidates", selector_truncation: bool = False,
-                         selector_beam: int = 1) -> SpecResult:
+                         selector_beam: int = 1, clock: Clock | None = None) -> SpecResult:
     """Speculative decoding of one prompt (input_ids [1, P]) with a DFlash drafter.
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
@@ -101,7 +154,13 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     Decoding stops after max_new_tokens, a stop token of stop_token_ids, or the token that completes one of
     stop_strings (as `generate` stops on them: dflash.data.stops; needs the target's tokenizer), nothing after it
     kept or counted.
+    clock: times the decoding into `prefill` (the prompt's target forward and first token), `draft` (per step: the
+    drafter's forward, its logits through the target's head, DFlash 2's selector, the drafts or the DDTree),
+    `verify` (per step: the target's verification forward, hybrid targets' state recording included) and `other`
+    (acceptance, cache trimming, tree masks, stop checks, setup); the parts add up to the call's time.
     """
+    clock = clock or OFF
+    clock.start()
     target = as_target(target)
     drafter.eval()
     sampling = Sampling(temperature, top_p, top_k)
@@ -111,10 +170,12 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     embed, head = target.embed_tokens, target.lm_head
     cache, dcache = new_cache(target, recording=target.is_hybrid), drafter.new_cache()
     prompt_len = input_ids.shape[1]
+    clock.lap("other")
     out = target_forward(target, input_ids, layer_ids, cache=cache, logits_to_keep=1)
     settle(cache)
     ids = input_ids[0].tolist()
     ids.append(rule.sample(out.logits[0, -1], prompt_len))
+    clock.lap("prefill")
     pending = out.features  # context features not yet in the drafter's cache (positions < p)
     result = SpecResult(output_ids=input_ids, acceptance_lengths=[])
     dtype = next(drafter.parameters()).dtype
@@ -142,13 +203,15 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             if tables is not None and draw.over == "vocabulary":  # a predecessor outside the candidates: rescored
                 rescore = functools.partial(slot_scores, drafter.candidate_selector, hidden[0, 1:], logits, tables[0])
             drafts, q = draft_chain(logits, tables, room - 1, rule, p, draw, rescore, selector_beam)
-            verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q)
+            clock.lap("draft")
+            verdict = verify_chain(target, layer_ids, cache, ids[-1], drafts, p, rule, q, clock=clock)
         else:
             if tree == "pairwise":
                 draft, drafts = draft_tree_pairwise(tables, tree_budget, room)
             else:
                 draft, drafts = draft_tree(logits, tree_budget, room)
-            verdict = verify_tree(target, layer_ids, cache, ids[-1], draft, p, rule)
+            clock.lap("draft")
+            verdict = verify_tree(target, layer_ids, cache, ids[-1], draft, p, rule, clock=clock)
         result.target_forwards += 1
         result.verify_tokens += verdict.tokens
         result.draft_tokens.append(drafts)
@@ -162,7 +225,9 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
         if end is not None:
             del ids[end + 1:]
         result.acceptance_lengths.append(len(ids) - 1 - p)  # what was kept: nothing past a stop token counts
+        clock.lap("other")
     result.output_ids = torch.tensor([ids[: prompt_len + max_new_tokens]], device=input_ids.device)
+    clock.lap("other")
     return result
 
 

@@ -18,7 +18,17 @@ Cost model, per verification (one target forward each, hybrid targets included: 
 blocks), `verify_cost` = tokens the verification forward processes: 1 + drafts for the chain, 1 + N for a
 DDTree of N nodes in one sequence (attention-only targets), paths x (1 + depth) for a tree verified as a
 batch of its paths (hybrid targets), whose forward also holds one copy of the context's attention KV per
-path."""
+path.
+
+Wall-clock, measured on this machine: each request is decoded plainly, then by each verifier in turn, in one process,
+so drift of the machine (clocks, other jobs) falls on all of them alike. `tokens_per_s` is generated tokens over
+decoding seconds, the prefill included (plain: eval/live_plain_tokens_per_s), and `speedup` the speculative one over
+the plain one. Each speculative decoding's time is split (dflash.evaluate.decode.Clock) into `prefill_s`, `draft_s`
+(the drafter's forwards, head, selector and trees), `verify_s` (the target's verification forwards) and `other_s`
+(acceptance, cache trimming, masks); `draft_ms_per_step` and `verify_ms_per_step` are per block, and
+`verify_over_plain` is a verification's time over one plain decoding step's (eval/live_plain_ms_per_token, the
+prompt's forward excluded): the price of verifying a block in plain steps. The serving prediction
+(dflash.evaluate.serving) is the cost model's for eval.serving_gpu, from the live tau alone, not a measurement."""
 
 from __future__ import annotations
 
@@ -37,7 +47,7 @@ from dflash.data.tools import ToolConversations, involves_tools
 from dflash.drafter.metrics import ratio_se, tau_histogram
 from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
-from dflash.evaluate.decode import greedy_generate, speculative_generate
+from dflash.evaluate.decode import Clock, greedy_generate, speculative_generate
 from dflash.evaluate.serving import serving_prediction
 from dflash.evaluate.slices import slice_metrics, slicers
 from dflash.target.features import target_forward
@@ -69,6 +79,17 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
         return False
     raise LosslessError(f"{where}; the target's top-2 logit margin there is {margin:.3g}, far from a tie. The "
                         f"decoding loop is not lossless: this is a bug, please report it")
+
+
+def measured_on(device) -> dict:
+    """What the live timings were measured on: the device's kind and name (a CPU's with its threads), and whether
+    the clocks synchronised it (CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"device": "cuda", "name": torch.cuda.get_device_name(device), "synchronized": True}
+    threads = torch.get_num_threads()
+    return {"device": device.type, "name": f"{device.type} ({threads} thread{'s' if threads > 1 else ''})",
+            "synchronized": False}
 
 
 def verifier_args(budget, tree: str, beam: int) -> dict:
@@ -108,8 +129,11 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                *([(None, "beam")] if dflash2 and cfg.selector_beam > 1 else []),
                *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
-    totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": []} for b in budgets}
-    records, plain_time, ties, requests, prompt_tokens = [], 0.0, 0, 0, 0
+    # one clock per verifier, its parts summed over the requests (dflash.evaluate.decode.Clock)
+    totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": [], "clock": Clock(target.device)}
+              for b in budgets}
+    records, plain_time, plain_tokens, ties, requests, prompt_tokens = [], 0.0, 0, 0, 0, 0
+    plain_clock = Clock(target.device)
     rendered = [(replace(source, name=name), source.data) for name, source in views(data)]  # a mixture's renderings
 
     def render(how):  # the text of messages (and tools) as the chat template renders them for `how`
@@ -144,14 +168,16 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             t0 = time.perf_counter()
             seed = cfg.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
-                                    stop_strings=strings, **knobs)
+                                    stop_strings=strings, clock=plain_clock, **knobs)
             plain_time += time.perf_counter() - t0
+            plain_tokens += plain.shape[1] - ids.shape[1]
             for budget, tree in budgets:
+                tot = totals[budget, tree]
                 t0 = time.perf_counter()
                 res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, stop_token_ids=stops,
                                            stop_strings=strings, seed=seed, verifier=cfg.verifier,
-                                           **verifier_args(budget, tree, cfg.selector_beam), **knobs, **selector)
-                tot = totals[budget, tree]
+                                           clock=tot["clock"], **verifier_args(budget, tree, cfg.selector_beam),
+                                           **knobs, **selector)
                 tot["time"] += time.perf_counter() - t0
                 if compared:
                     ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
@@ -178,13 +204,23 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 break  # its call is not valid JSON: skipped (data.skip_bad_records)
             progress.update()
     progress.close()
+    plain_parts = plain_clock.seconds
     metrics = {"eval/live_plain_s": plain_time, "eval/live_prompts": len(prompts),
                "eval/live_requests": requests,
                "eval/live_ties": ties,
-               "eval/live_tokens": totals[None, "marginal"]["tokens"]}
+               "eval/live_tokens": totals[None, "marginal"]["tokens"],
+               "eval/live_plain_tokens": plain_tokens,
+               "eval/live_plain_tokens_per_s": plain_tokens / max(plain_time, 1e-9),
+               "eval/live_plain_prefill_s": plain_parts.get("prefill", 0.0),
+               # a token's forward and sampling, the prompt's forward left out: the unit a verification is priced in
+               "eval/live_plain_ms_per_token": 1e3 * plain_parts.get("decode", 0.0)
+               / max(1, plain_clock.counts.get("decode", 0))}
     for (budget, tree), tot in totals.items():
         prefix = ("eval/live_beam_" if tree == "beam" else "eval/live_" if budget is None else
                   f"eval/live_ddtree@{budget}_" if tree == "marginal" else f"eval/live_ddtree_pair@{budget}_")
+        parts, steps = tot["clock"].seconds, max(1, tot["verifies"])
+        rate = tot["tokens"] / max(tot["time"], 1e-9)
+        verify_ms = 1e3 * parts.get("verify", 0.0) / steps
         metrics.update({
             f"{prefix}tau": sum(tot["taus"]) / max(1, len(tot["taus"])),
             f"{prefix}tau_se": ratio_se(tot["per_prompt"]),
@@ -194,8 +230,16 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             f"{prefix}tokens_per_forward": tot["tokens"] / max(1, tot["forwards"]),
             f"{prefix}tokens_per_verify": tot["tokens"] / max(1, tot["verifies"]),
             f"{prefix}verify_cost": tot["verify_tokens"] / max(1, tot["verifies"]),
-            f"{prefix}speedup": plain_time / max(tot["time"], 1e-9),
+            # throughput over throughput, not time over time: sampled by rejection, the two decodings write other
+            # answers (of other lengths); greedy, they are the same tokens and the two ratios agree
+            f"{prefix}speedup": rate / max(metrics["eval/live_plain_tokens_per_s"], 1e-9),
             f"{prefix}spec_s": tot["time"],
+            f"{prefix}tokens_per_s": rate,
+            **{f"{prefix}{part}_s": parts.get(part, 0.0) for part in ("prefill", "draft", "verify", "other")},
+            f"{prefix}draft_ms_per_step": 1e3 * parts.get("draft", 0.0) / steps,
+            f"{prefix}verify_ms_per_step": verify_ms,
+            f"{prefix}other_ms_per_step": 1e3 * parts.get("other", 0.0) / steps,
+            f"{prefix}verify_over_plain": verify_ms / max(metrics["eval/live_plain_ms_per_token"], 1e-9),
         })
     chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
     metrics.update(slice_metrics(chain, slicers(job), "eval/live"))
@@ -207,5 +251,6 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification(),
                "sampling": {**knobs, **selector, "verifier": cfg.verifier, "seed": cfg.seed},
-               "compared_with_plain": compared, **({"serving": served["serving"]} if served else {})}
+               "compared_with_plain": compared, "measured_on": measured_on(target.device),
+               **({"serving": served["serving"]} if served else {})}
     return records, summary

@@ -14,8 +14,8 @@ from dflash.plan.serving import predict
 
 
 def serving_prediction(job: JobConfig, drafter, target, tau: float, context: float, tokens: float) -> dict:
-    """{metrics: eval/live_serving@<C>_speedup, serving: the prediction and its assumptions}; empty where
-    eval.serving_concurrency is []."""
+    """{metrics: eval/live_serving@<C>_speedup, serving: the prediction (marked predicted: true) and its
+    assumptions}; empty where eval.serving_concurrency is []."""
     from dflash.plan.report import drafter_shape
 
     conc = list(job.eval.serving_concurrency)
@@ -25,5 +25,8 @@ def serving_prediction(job: JobConfig, drafter, target, tau: float, context: flo
     shape = drafter_shape(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)),
                           (target.model, text))
     out = predict(shape, text, tau, job.eval.serving_gpu, conc, max(1, round(context)), max(2.0, tokens))
+    # `predicted` says, in summary.json too, that these figures come from the model and not from this machine: a run
+    # on a CPU once printed an H200's speedup that readers took for its result
     return {"metrics": {f"eval/live_serving@{c}_speedup": r for c, r in out["speedup"].items()},
-            "serving": {**out, "tau_from": "eval/live_tau", "block_size": shape.block_size, "layers": shape.layers}}
+            "serving": {**out, "predicted": True, "by": "dflash.plan.serving", "tau_from": "eval/live_tau",
+                        "block_size": shape.block_size, "layers": shape.layers}}

@@ -75,7 +75,8 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     blocks accepted in full, tau over every anchor (tau_all), acc@1, acc@B/2, acc@B-1 (every anchor),
     ddtree@N over its own walk, the walk's blocks. Live, a row per verifier (the chain, each DDTree budget):
     real tau, tokens per target forward and per verification, tokens a verification processes (its cost),
-    wall-clock speedup over plain decoding."""
+    wall-clock speedup over plain decoding; then what was measured on this machine (`print_timing`, `print_measured`)
+    before the serving model's prediction for a GPU (`print_serving`), labelled as one."""
     first = next(iter(summaries.values()))
     B, budgets = first["block_size"], first["ddtree_budgets"]
     # DFlash 2 (any drafter with the selector's numbers): its unary and oracle taus and pairwise trees beside
@@ -86,9 +87,7 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     if mode == "live":
         header = ["drafter", "verify", "tau", "tau_se", "tok/forward", "tok/verify", "cost/verify", "speedup",
                   "tokens"]
-        verifiers = [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_") for n in budgets],
-                     ("beam", "eval/live_beam_"),
-                     *[(f"ddtree_pair@{n}", f"eval/live_ddtree_pair@{n}_") for n in budgets if dflash2]]
+        verifiers = live_verifiers(budgets, dflash2)
         rows = [[label, name, m[f"{prefix}tau"], m.get(f"{prefix}tau_se", "-"), m[f"{prefix}tokens_per_forward"],
                  m[f"{prefix}tokens_per_verify"], m[f"{prefix}verify_cost"], m[f"{prefix}speedup"],
                  m["eval/live_tokens"]]
@@ -112,20 +111,69 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
         for label, summary in summaries.items():
             print_gap(label, summary["metrics"], out)
     else:
+        # the measured figures first, the model's prediction for a GPU after them and named as one
+        print_timing(summaries, live_verifiers(budgets, dflash2), out)
         for label, summary in summaries.items():
+            print_measured(label, summary, live_verifiers(budgets, dflash2), out)
             print_serving(label, summary.get("serving"), out)
     print_slices(summaries, out)
 
 
+def live_verifiers(budgets: list[int], dflash2: bool) -> list[tuple[str, str]]:
+    """(name, metric prefix) of live decoding's verifiers: the chain, each DDTree budget, DFlash 2's beam chain and
+    pairwise trees (dflash.evaluate.live)."""
+    return [("chain", "eval/live_"), *[(f"ddtree@{n}", f"eval/live_ddtree@{n}_") for n in budgets],
+            ("beam", "eval/live_beam_"),
+            *[(f"ddtree_pair@{n}", f"eval/live_ddtree_pair@{n}_") for n in budgets if dflash2]]
+
+
+def _device(summary: dict) -> str:
+    return (summary.get("measured_on") or {}).get("name", "this machine")
+
+
+def print_timing(summaries: dict[str, dict], verifiers: list[tuple[str, str]], out=None) -> None:
+    """The wall-clock table of a live evaluation, a row per drafter and verifier: tokens a second plainly and
+    speculatively, their ratio, tau, the drafter's and the verification's (and the rest's) milliseconds per block,
+    plain decoding's per token, and a verification's time in plain steps (verify/plain). Nothing for summaries
+    written before the timings were split."""
+    rows = [[label, name, f"{m['eval/live_plain_tokens_per_s']:.1f}", f"{m[f'{prefix}tokens_per_s']:.1f}",
+             f"{m[f'{prefix}speedup']:.2f}x", m[f"{prefix}tau"],
+             *[f"{m[key]:.2f}" for key in (f"{prefix}draft_ms_per_step", f"{prefix}verify_ms_per_step",
+                                           f"{prefix}other_ms_per_step", "eval/live_plain_ms_per_token")],
+             f"{m[f'{prefix}verify_over_plain']:.2f}"]
+            for label, m in ((k, s["metrics"]) for k, s in summaries.items())
+            for name, prefix in verifiers if f"{prefix}tokens_per_s" in m]
+    if not rows:
+        return
+    out = out or sys.stdout
+    out.write(f"\nmeasured on {_device(next(iter(summaries.values())))}, plain and speculative decoding alternated "
+              f"request by request (a step: one block drafted and verified; verify/plain: a verification in plain decoding steps):\n")
+    print_table(rows, ["drafter", "verify", "plain tok/s", "spec tok/s", "speedup", "tau", "draft ms/step",
+                       "verify ms/step", "other ms/step", "plain ms/token", "verify/plain"], out)
+
+
+def print_measured(label: str, summary: dict, verifiers: list[tuple[str, str]], out=None) -> None:
+    """One line: the speedup measured here, per verifier, and plain decoding's tokens a second."""
+    m = summary["metrics"]
+    found = [(name, prefix) for name, prefix in verifiers if f"{prefix}tokens_per_s" in m]
+    if not found:
+        return
+    ratios = ", ".join(f"{name} {m[f'{prefix}speedup']:.2f}x ({m[f'{prefix}tokens_per_s']:.1f} tok/s)"
+                       for name, prefix in found)
+    (out or sys.stdout).write(f"{label}: measured on {_device(summary)}: {ratios} against plain decoding's "
+                              f"{m['eval/live_plain_tokens_per_s']:.1f} tok/s\n")
+
+
 def print_serving(label: str, serving: dict | None, out=None) -> None:
-    """One line: the serving model's predicted speedup per concurrency from the chain's live tau (dflash.evaluate.serving)."""
+    """One line: the serving model's speedup per concurrency from the chain's live tau (dflash.evaluate.serving),
+    labelled as the prediction it is: no timing of this run enters it."""
     if not serving:
         return
     ratios = ", ".join(f"{r:.2f}x at C = {c}" for c, r in serving["speedup"].items())
     (out or sys.stdout).write(
-        f"{label}: served on one {serving['gpu']}, the model predicts {ratios} (live tau {serving['tau']:.3f}, "
-        f"{serving['context']} tokens of context, {serving['output_tokens']:.0f} output tokens a request; a roofline "
-        f"model, not a measurement: eval.serving_gpu, eval.serving_concurrency)\n")
+        f"{label}: predicted for one {serving['gpu']} by the serving cost model (not measured): {ratios} (a "
+        f"roofline model fed the live tau {serving['tau']:.3f} alone, {serving['context']} tokens of context, "
+        f"{serving['output_tokens']:.0f} output tokens a request: eval.serving_gpu, eval.serving_concurrency)\n")
 
 
 def print_slices(summaries: dict[str, dict], out=None) -> None:

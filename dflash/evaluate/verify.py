@@ -13,6 +13,10 @@ Linear-attention states are recorded per verified position during the forward (d
 no verification is followed by a replay: one target forward per block, chain or tree. Which drafts are accepted
 and which token the target adds is the run's rule (dflash.evaluate.rules: greedy, rejection sampling, seeded
 or exact match), the same for the chain and for every tree node.
+
+A clock (dflash.evaluate.decode.Clock) given to a verification charges its target forward to `verify` and what
+comes before it (the block's tensors, masks, rows) to `other`; the caller's next lap charges the acceptance and
+the cache's trimming to `other` too.
 """
 
 from __future__ import annotations
@@ -42,17 +46,24 @@ class Verdict:
 
 
 def verify_chain(target, layer_ids, cache, anchor: int, drafts: list[int], p: int, rule: Rule,
-                 q: torch.Tensor | None = None) -> Verdict:
+                 q: torch.Tensor | None = None, clock=None) -> Verdict:
     """Verify [x_p, d_1..d_m] (the cache holds positions < p) by `rule` (dflash.evaluate.rules); q [m, V]: the
     distributions the drafts were drawn from (None: chosen, as greedy drafts are)."""
     block = torch.tensor([[anchor] + drafts], device=target.device)
     n = block.shape[1]
     recorder = StateRecorder(target, [(0, t) for t in range(n)]) if target.is_hybrid and n > 1 else None
+    _lap(clock, "other")
     with recorder.recording() if recorder else nullcontext():
         out = target_forward(target, block, layer_ids, cache=cache, logits_to_keep=0)
+    _lap(clock, "verify")
     a, bonus = rule.chain(out.logits[0], p + 1, drafts, q)
     commit(cache, p, a + 1, n, recorder.state(a) if recorder else None)
     return Verdict(drafts[:a], bonus, out.features[:, : a + 1], n)
+
+
+def _lap(clock, part: str) -> None:
+    if clock is not None:
+        clock.lap(part)
 
 
 def _children(tree: Tree) -> dict[int, list[int]]:
@@ -115,12 +126,16 @@ def tree_masks(target, tree: Tree, past: int) -> torch.Tensor | dict[str, torch.
     return masks
 
 
-def verify_tree_sequence(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule) -> Verdict:
+def verify_tree_sequence(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule,
+                         clock=None) -> Verdict:
     """The tree as one sequence under an ancestor-only mask; the accepted path's KV kept."""
     tokens = torch.tensor([[anchor] + tree.tokens], device=target.device)
     positions = torch.tensor([[p] + [p + d for d in tree.depths]], device=target.device)
-    out = target_forward(target, tokens, layer_ids, attention_mask=tree_masks(target, tree, p),
-                         position_ids=positions, cache=cache, logits_to_keep=0)
+    masks = tree_masks(target, tree, p)
+    _lap(clock, "other")
+    out = target_forward(target, tokens, layer_ids, attention_mask=masks, position_ids=positions, cache=cache,
+                         logits_to_keep=0)
+    _lap(clock, "verify")
     accepted, nodes, bonus = _walk(tree, lambda node: out.logits[0, node + 1: node + 2], p, rule)
     path = [0] + [i + 1 for i in nodes]
     keep_attention(cache, torch.cat([torch.arange(p, device=target.device),
@@ -142,7 +157,8 @@ def tree_paths(tree: Tree) -> list[list[int]]:
     return paths or [[]]
 
 
-def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule) -> Verdict:
+def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int, rule: Rule,
+                      clock=None) -> Verdict:
     """The tree as a batch of its root-to-leaf paths; the row of the accepted path is the cache kept."""
     paths = tree_paths(tree)
     width = 1 + max(len(path) for path in paths)
@@ -155,8 +171,10 @@ def verify_tree_paths(target, layer_ids, cache, anchor: int, tree: Tree, p: int,
     entries = list(where)  # -1 (the root) first, then nodes as the paths first reach them
     recorder = StateRecorder(target, [where[node] for node in entries]) if target.is_hybrid and width > 1 else None
     select_rows(cache, torch.zeros(len(paths), dtype=torch.long, device=target.device))
+    _lap(clock, "other")
     with recorder.recording() if recorder else nullcontext():
         out = target_forward(target, ids, layer_ids, cache=cache, logits_to_keep=0)
+    _lap(clock, "verify")
     accepted, nodes, bonus = _walk(tree, lambda node: out.logits[where[node][0], where[node][1]][None], p, rule)
     last = nodes[-1] if nodes else -1
     row, t = where[last]

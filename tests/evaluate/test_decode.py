@@ -5,7 +5,7 @@ import torch
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.build import build_drafter
-from dflash.evaluate.decode import greedy_generate, speculative_generate
+from dflash.evaluate.decode import OFF, Clock, greedy_generate, speculative_generate
 from tests.oracle import OracleDrafter
 
 
@@ -198,3 +198,34 @@ def test_dflash2_draws_over_the_vocabulary_or_its_unary_head_when_asked():
     assert seen  # some draws fell outside the candidates
     drafts, q = draft_chain(logits, (cand, first, table), S, rule, 0, SelectorDraw("unary"))
     assert torch.allclose(q, probs(logits, Sampling(1.0)))
+
+
+@pytest.mark.parametrize("tree_budget", [None, 6])
+def test_a_clock_times_each_part_of_a_decoding_once_a_step(tiny_target, tree_budget):
+    """One prefill, then a draft and a verification lap a block; plain decoding: one lap a one-token forward. The
+    output is the same with a clock as without."""
+    ids = prompt(3)
+    plain_clock, clock = Clock(ids.device), Clock(ids.device)
+    plain = greedy_generate(tiny_target, ids, 30, clock=plain_clock)
+    assert plain_clock.counts == {"prefill": 1, "decode": 29}
+    oracle = OracleDrafter(tiny_target, plain[0].tolist(), wrong=lambda p, k: (p * 7 + k) % 5 == 0, scale=5000.0)
+    res = speculative_generate(oracle, tiny_target, ids, 30, tree_budget=tree_budget, clock=clock)
+    assert torch.equal(res.output_ids, plain)
+    steps = len(res.acceptance_lengths)
+    assert clock.counts["prefill"] == 1 and clock.counts["draft"] == clock.counts["verify"] == steps
+    assert set(clock.seconds) == {"prefill", "draft", "verify", "other"} and min(clock.seconds.values()) >= 0
+
+
+def test_only_a_clock_on_cuda_synchronises(monkeypatch):
+    """Timing asynchronous kernels needs the device waited for at each lap; decoding nobody times (no clock: OFF) and
+    a CPU's never wait."""
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    for clock in (OFF, Clock("cpu"), Clock(None)):
+        clock.start()
+        clock.lap("draft")
+    assert waits == [] and OFF.seconds == {}
+    clock = Clock("cuda")
+    clock.start()
+    clock.lap("verify")
+    assert len(waits) == 2 and clock.counts == {"verify": 1}

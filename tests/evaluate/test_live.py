@@ -30,9 +30,31 @@ def test_live_trees_on_hybrid_and_sliding_targets(tiny_targets, target_name):
     assert m["eval/live_verify_cost"] <= 4  # 1 + at most B-1 drafts
     assert m["eval/live_ddtree@16_verify_cost"] > m["eval/live_ddtree@4_verify_cost"] > 1
     assert {r["tree_budget"] for r in records} == {None, 4, 16}
+    # the wall-clock split: prefill, drafter, verification and the rest make up each verifier's decoding time (the
+    # clock's parts sit inside the time live_eval measures around each call; only the calls' entry is outside them)
+    for prefix in ("eval/live_", "eval/live_ddtree@4_", "eval/live_ddtree@16_"):
+        parts = sum(m[f"{prefix}{part}_s"] for part in ("prefill", "draft", "verify", "other"))
+        assert parts <= m[f"{prefix}spec_s"] + 1e-6
+        assert parts == pytest.approx(m[f"{prefix}spec_s"], rel=0.2, abs=0.01)
+        assert m[f"{prefix}draft_s"] > 0 and m[f"{prefix}verify_s"] > 0
+        for key in ("tokens_per_s", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
+                    "verify_over_plain"):
+            assert m[f"{prefix}{key}"] > 0
+    decode = m["eval/live_plain_ms_per_token"] / 1e3 * (m["eval/live_plain_tokens"] - m["eval/live_requests"])
+    assert m["eval/live_plain_prefill_s"] + decode <= m["eval/live_plain_s"] + 1e-6
+    assert m["eval/live_plain_prefill_s"] + decode == pytest.approx(m["eval/live_plain_s"], rel=0.2, abs=0.01)
+    assert m["eval/live_plain_tokens"] == m["eval/live_tokens"]  # greedy: the same answers
+    assert summary["measured_on"]["device"] == "cpu" and summary["serving"]["predicted"] is True
     out = io.StringIO()
     print_summary({"random": summary}, mode="live", out=out)
-    assert "cost/verify" in out.getvalue() and "ddtree@16" in out.getvalue()
+    text = out.getvalue()
+    assert "cost/verify" in text and "ddtree@16" in text
+    # what this machine measured comes first; the GPU's figures after it, named a prediction
+    lines = text.splitlines()
+    measured = next(i for i, line in enumerate(lines) if line.startswith("random: measured on cpu"))
+    predicted = next(i for i, line in enumerate(lines) if "predicted" in line)
+    assert measured < predicted and "not measured" in lines[predicted]
+    assert "measured on cpu" in text.split("predicted")[0] and "verify/plain" in text
 
 
 class _Clock:
@@ -78,3 +100,46 @@ def test_the_first_forwards_cold_start_is_not_timed(tiny_targets, monkeypatch):
     assert cold_run["eval/live_plain_s"] == 100
     for key in ("eval/live_tau", "eval/live_ddtree@4_tau", "eval/live_tokens"):
         assert warm[key] == cold_run[key]
+
+
+@pytest.mark.parametrize("target_name", ["tiny_qwen3", "tiny_qwen3_5"])
+def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_targets, monkeypatch, target_name):
+    """On a clock that stands still but for the forwards (the target's 10 s each, the drafter's 1 s), every second
+    lands where it belongs: the prompts' forwards in prefill, a block's drafter forward in draft, its verification
+    forward in verify (chain, a tree in one sequence, a tree as a batch of paths on the hybrid target), nothing in
+    the rest; plain decoding's steps cost 10 s a token, so a verification costs one plain step (verify/plain 1)."""
+    import dflash.evaluate.decode as decode
+    import dflash.evaluate.live as live
+
+    target = tiny_targets[target_name]
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(num=2), target).eval()
+    clock = _Clock()
+    monkeypatch.setattr(live, "time", clock)
+    monkeypatch.setattr(decode, "time", clock)
+
+    def costs(seconds):
+        def hook(_module, _args):
+            clock.now += seconds
+        return hook
+
+    hooks = [target.layers[0].register_forward_pre_hook(costs(10.0)), drafter.register_forward_pre_hook(costs(1.0))]
+    try:
+        job = compose("evaluate", ["debug=tiny", f"target={target_name}", "eval=live", "eval.ddtree_budgets=[4]",
+                                   "eval.max_new_tokens=12", "eval.warmup_tokens=0"])
+        records, summary = live_eval(job, drafter, target)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    m = summary["metrics"]
+    requests, tokens = m["eval/live_requests"], m["eval/live_plain_tokens"]
+    assert m["eval/live_plain_s"] == 10.0 * tokens and m["eval/live_plain_prefill_s"] == 10.0 * requests
+    assert m["eval/live_plain_ms_per_token"] == 10_000.0 and m["eval/live_plain_tokens_per_s"] == 0.1
+    for prefix, budget in (("eval/live_", None), ("eval/live_ddtree@4_", 4)):
+        steps = sum(r["tree_budget"] == budget for r in records)
+        assert m[f"{prefix}prefill_s"] == 10.0 * requests and m[f"{prefix}other_s"] == 0.0
+        assert m[f"{prefix}draft_s"] == 1.0 * steps and m[f"{prefix}verify_s"] == 10.0 * steps
+        assert m[f"{prefix}spec_s"] == 10.0 * requests + 11.0 * steps
+        assert m[f"{prefix}draft_ms_per_step"] == 1000.0 and m[f"{prefix}verify_ms_per_step"] == 10_000.0
+        assert m[f"{prefix}verify_over_plain"] == 1.0
+        assert m[f"{prefix}speedup"] == pytest.approx(m["eval/live_plain_s"] / m[f"{prefix}spec_s"])

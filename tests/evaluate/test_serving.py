@@ -38,8 +38,8 @@ def test_live_summary_predicts_the_plans_speedup_at_each_concurrency(tiny_target
         assert served["speedup"][c] == pytest.approx(planned["speedup"][str(c)], rel=1e-9)
     out = io.StringIO()
     print_summary({"random": summary}, mode="live", out=out)
-    assert "served on one H100 SXM, the model predicts" in out.getvalue() and "at C = 32" in out.getvalue()
-    assert "not a measurement" in out.getvalue()
+    assert "predicted for one H100 SXM by the serving cost model (not measured)" in out.getvalue()
+    assert "at C = 32" in out.getvalue() and served["predicted"] is True
 
 
 def test_no_concurrency_no_prediction_and_an_unknown_gpu_is_refused(tiny_targets):
