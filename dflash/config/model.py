@@ -116,6 +116,10 @@ class DrafterConfig:
     """MLP width; null copies the target's."""
     init_from: str | None = None
     """Start from the weights of this drafter directory (z-lab layout) instead of a random init."""
+    init_layers: list[int] | None = None
+    """Target layer ids whose decoder weights initialise the drafter's layers, one id per drafter layer (attention
+    and MLP projections and norms where the shapes match: the drafter's width, heads and MLP left to the target's),
+    and the drafter's final norm from the target's; null = a random init."""
     sliding_causal: bool | None = None
     """Whether sliding_attention layers are causal inside the block (a window of W keys ending at each query)
     or see the whole block both ways plus the context within W positions; null = the kind's default: causal
@@ -141,6 +145,9 @@ class DrafterConfig:
         if self.block_size < 2:
             raise ConfigError(f"drafter.block_size={self.block_size}: a block needs at least 2 slots")
         positive("drafter.num_layers", self.num_layers)
+        if self.init_layers is not None and len(self.init_layers) != self.num_layers:
+            raise ConfigError(f"drafter.init_layers={self.init_layers} gives {len(self.init_layers)} target layers for "
+                              f"drafter.num_layers={self.num_layers}: give one target layer id per drafter layer")
         for key in ("sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "intermediate_size"):
             positive(f"drafter.{key}", getattr(self, key))

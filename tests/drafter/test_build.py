@@ -76,3 +76,32 @@ def test_a_fine_tune_of_a_published_drafter_is_stamped_with_the_served_sliding_r
     with caplog.at_level("WARNING"):
         load_drafter(str(checkpoint))
     assert "before its sliding-attention layers followed the served rule" not in caplog.text
+
+
+def test_drafter_layers_start_as_the_target_layers_named(tiny_family_targets):
+    """drafter.init_layers: drafter layer i is target layer ids[i] (Llama: no q/k norms, which stay at ones), its final
+    norm the target's; a drafter shaped otherwise than the target, or an id out of range, is refused in one line."""
+    import pytest
+
+    from dflash.config import DrafterConfig, LayersConfig
+    from dflash.drafter.build import build_drafter
+    from dflash.errors import ConfigError
+
+    target = tiny_family_targets["tiny_llama"][0]
+    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=8, init_layers=[6, 7]), LayersConfig(num=3), target)
+    for i, layer in enumerate((6, 7)):
+        mine, theirs = drafter.layers[i], target.layers[layer]
+        assert torch.equal(mine.mlp.gate_proj.weight, theirs.mlp.gate_proj.weight)
+        assert torch.equal(mine.self_attn.k_proj.weight, theirs.self_attn.k_proj.weight)
+        assert torch.equal(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)
+        assert torch.equal(mine.self_attn.q_norm.weight, torch.ones_like(mine.self_attn.q_norm.weight))
+    assert torch.equal(drafter.norm.weight, target.final_norm.weight)
+    fresh = build_drafter(DrafterConfig(num_layers=2, block_size=8), LayersConfig(num=3), target)
+    assert not torch.equal(fresh.layers[0].mlp.gate_proj.weight, target.layers[6].mlp.gate_proj.weight)
+    with pytest.raises(ConfigError, match="do not fit the drafter's"):
+        build_drafter(DrafterConfig(num_layers=1, block_size=8, init_layers=[7], head_dim=32), LayersConfig(num=3),
+                      target)
+    with pytest.raises(ConfigError, match=r"\[8\] outside"):
+        build_drafter(DrafterConfig(num_layers=1, block_size=8, init_layers=[8]), LayersConfig(num=3), target)
+    with pytest.raises(ConfigError, match="one target layer id per drafter layer"):
+        DrafterConfig(num_layers=2, init_layers=[7])
