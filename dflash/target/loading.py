@@ -238,6 +238,9 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
             model, tp, sharding = load_sharded(path, cfg.name, text_config, cfg.tensor_parallel, dtype,
                                                cfg.attn_implementation, common)
         else:
+            if device.type == "cpu" and model_dir is not None and cfg.device_map is None:
+                gguf.check_memory(weights_elements(model_dir) * dtype.itemsize, f"target {cfg.name} ({model_dir}) "
+                                  f"in {cfg.dtype}")
             model = _load_model(path, cfg, dtype, common, device, quantized)
         model.requires_grad_(False).eval()
         layers = _find_layers(model, text_config.num_hidden_layers)
@@ -265,6 +268,19 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     log.info("target %s: %d layers, hidden %d, %s on %s%s", cfg.name, target.num_layers, target.hidden_size,
              cfg.dtype, device, f", kernels {kernel_backend(kernels)}" if kernels else " (heads only)")
     return target
+
+
+def weights_elements(model_dir: Path) -> int:
+    """The number of stored weight values in a folder's safetensors files, from their headers alone."""
+    import json
+    import math
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
 
 
 def _generation_config(model, path: str):

@@ -146,3 +146,10 @@ def test_a_mask_token_the_model_writes_is_refused(smollm2, mask, why):
     cfg = compose("train", ["target=smollm2_135m", f"target.mask_token_id={mask}", "target.mask_token=null"]).target
     with pytest.raises(ConfigError, match=why):
         load_target(cfg, torch.device("cpu"), heads_only=True)
+
+
+def test_a_target_too_large_for_this_machines_memory_is_refused_before_loading(smollm2, dflash_home, monkeypatch):
+    monkeypatch.setattr(gguf, "available_memory", lambda: 300 * 2**20)  # 300 MiB free: SmolLM2 needs 513 in float32
+    with pytest.raises(TargetError, match=r"needs about 0\.5 GiB of memory in float32.*0\.3 GiB available"):
+        load_target(compose("train", ["target=smollm2_135m", "target.dtype=float32"]).target, torch.device("cpu"))
+    load_target(compose("train", ["target=smollm2_135m"]).target, torch.device("cpu"), heads_only=True)  # heads fit
