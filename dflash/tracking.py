@@ -27,6 +27,9 @@ from dflash.layout import COMPILE_CACHES, RunLayout
 log = logging.getLogger(__name__)
 
 SECRET_MARKERS = ("api_key", "apikey", "token", "secret", "password")
+NOT_SECRETS = ("mask_token",)
+"""Config keys with a marker in their name that hold no credential (target.mask_token: the mask token's text, which
+evaluate.py reads back from the run's config.yaml and checks against the tokenizer)."""
 
 
 def setup_logging(log_file: Path | None = None, main: bool = True) -> None:
@@ -52,11 +55,15 @@ def setup_logging(log_file: Path | None = None, main: bool = True) -> None:
 def scrub(obj):
     """Drop values under keys that look like credentials (they never belong in a run folder)."""
     if isinstance(obj, dict):
-        return {k: ("<redacted>" if any(m in str(k).lower() for m in SECRET_MARKERS) and isinstance(v, str)
-                    else scrub(v)) for k, v in obj.items()}
+        return {k: ("<redacted>" if _secret(str(k).lower()) and isinstance(v, str) else scrub(v))
+                for k, v in obj.items()}
     if isinstance(obj, list):
         return [scrub(v) for v in obj]
     return obj
+
+
+def _secret(key: str) -> bool:
+    return key not in NOT_SECRETS and any(m in key for m in SECRET_MARKERS)
 
 
 def config_dict(job: JobConfig) -> dict:

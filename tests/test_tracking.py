@@ -127,3 +127,15 @@ def test_a_progress_line_gives_the_rate_and_the_time_left():
     p.done = 0
     assert p.line(3.0).endswith("ETA ?)")
     p.close()
+
+
+def test_credentials_are_scrubbed_from_a_runs_config_and_the_mask_token_is_not():
+    """target.mask_token holds the mask token's text, read back by evaluate.py and checked against the tokenizer:
+    scrubbed to <redacted>, a run trained on a preset with one could no longer be evaluated."""
+    from dflash.tracking import scrub
+
+    config = {"target": {"mask_token": "<|mask|>", "mask_token_id": 5}, "logger": {"hf_token": "hf_abc", "api_key": "k"},
+              "data": {"completions": {"max_new_tokens": 256}}}
+    out = scrub(config)
+    assert out["target"] == config["target"] and out["data"] == config["data"]
+    assert out["logger"] == {"hf_token": "<redacted>", "api_key": "<redacted>"}
