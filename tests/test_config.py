@@ -58,7 +58,8 @@ def test_the_toy_data_brings_its_cpu_recipe_and_other_data_the_papers():
         job = compose("train", own)
         assert (job.drafter.num_layers, job.drafter.head_dim) == (5, None)
         assert (job.train.batch_size, job.train.num_anchors, job.train.max_steps, job.optim.lr) == (1, 512, None, 6e-4)
-        assert job.eval.completions_batch_size == 1  # a real target's held-out answers: one at a time, unpadded
+        # answers generated 32 prompts a batch, training's and held-out alike (eval.completions_batch_size=1: alone)
+        assert job.eval.completions_batch_size == job.data.completions.batch_size == 32
     # what the command line gives still wins over the toy data's choices
     mine = compose("train", ["drafter=default", "optim.lr=1e-3", "train.num_anchors=64"])
     assert (mine.drafter.num_layers, mine.optim.lr, mine.train.num_anchors) == (5, 1e-3, 64)
@@ -249,3 +250,19 @@ def test_tool_data_keys_default_to_ending_at_a_differing_call_and_stopping_at_a_
     mixed = ("data.sources=[{prompts: builtin:tiny_prompts, regenerate: first_turn}, "
              "{prompts: builtin:tiny_prompts, regenerate: all_turns}]")
     assert compose("train", ["debug=tiny", "data.tools.keep_results=true", "data.regenerate=last_turn", mixed])
+
+
+def test_features_are_stored_in_the_targets_dtype_unless_asked_otherwise():
+    """features.storage=auto is resolved where a cache is made (dflash.data.extraction.cache_storage), never
+    written back: the composed config keeps auto."""
+    from dflash.config.data import rounds, storage_for
+
+    assert compose("train").features.storage == "auto"
+    assert compose("train", ["features.storage=float16"]).features.storage == "float16"
+    assert [storage_for("auto", d) for d in ("float32", "bfloat16", "float16")] == ["float32", "bfloat16", "float16"]
+    assert storage_for("float8_e4m3fn", "float32") == "float8_e4m3fn"
+    # exact: the target's own dtype, or float32 (which holds bfloat16 and float16); anything else rounds
+    assert not any(rounds(s, d) for s, d in [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                             ("float32", "bfloat16"), ("float16", "float16")])
+    assert all(rounds(s, d) for s, d in [("bfloat16", "float32"), ("float8_e4m3fn", "float32"),
+                                         ("float8_e4m3fn", "bfloat16"), ("float16", "bfloat16")])

@@ -399,3 +399,26 @@ def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
     gpu = r"^ +(\d+) GiB +(?:fits, [\d.]+ GiB free|short by [\d.]+ GiB) +(off|selective|full) "
     shown = re.findall(gpu, text, re.M)
     assert shown == [("24", "full"), ("30", "selective"), ("141", "off")]
+
+
+def test_the_plan_takes_a_users_config_dir_and_config_name_as_train_py_does(tmp_path, tiny_targets, dflash_home,
+                                                                            capsys):
+    """python -m dflash.plan --config-dir <dir> target=mine: the user's own target preset, as train.py takes it
+    (it failed on Hydra's lexer); -cd / --config-dir=, and --config-name naming a primary config of the folder."""
+    mine = tmp_path / "my_conf"
+    (mine / "target").mkdir(parents=True)
+    (mine / "target" / "mine.yaml").write_text(
+        f"name: mine\npath: {dflash_home / 'targets' / 'tiny_qwen3'}\nnum_layers: 8\nmask_token_id: 261\n"
+        f"dtype: float32\n")
+    (mine / "mine_train.yaml").write_text("defaults:\n  - job\n  - override target: mine\n  - _self_\n")
+    for args in (["--config-dir", str(mine), "target=mine"], [f"--config-dir={mine}", "target=mine"],
+                 ["-cd", str(mine), "--config-name", "mine_train"]):
+        plan.main([*args, "drafter=tiny", "--json"])
+        out = json.loads(capsys.readouterr().out)
+        # the tiny target's width, and the cache in its dtype (features.storage=auto, resolved as extraction does)
+        assert out["shape"]["hidden"] == 64 and out["run"]["storage"] == "float32", args
+    plan.main(["--config-dir", str(mine), "target=mine", "drafter=tiny", "gpu_gb=24"])
+    assert f"memory plan: --config-dir {mine} target=mine" in capsys.readouterr().out
+    for wrong in (["target=mine"], ["--config-dir", str(tmp_path / "none"), "target=mine"], ["--bogus", "target=mine"]):
+        with pytest.raises(SystemExit):  # in one line: no such target without the folder, no folder, no such option
+            plan.main([*wrong, "--json"])

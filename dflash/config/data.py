@@ -21,8 +21,10 @@ class CompletionsConfig:
     """JSONL of completions: read for `cached`, written and resumed for hf/server; null = next to the cache."""
     max_new_tokens: int = 512
     """Longest completion, in tokens."""
-    batch_size: int = 8
-    """Prompts per generate call (hf)."""
+    batch_size: int = 32
+    """Prompts per generate call (hf): left-padded, longest prompts first, each row's tokens up to its own stop. A
+    float32 target writes the same tokens batched or alone (tests/data/test_completions.py); in bfloat16 padding
+    can flip a greedy near-tie. Lower it where 32 sequences' KV cache does not fit beside the target."""
     url: str = "http://localhost:30000/v1"
     """OpenAI-compatible endpoint (SGLang, vLLM) for source=server."""
     model: str | None = None
@@ -238,6 +240,21 @@ class VllmFeaturesConfig:
                               f"extraction rests on); remove them")
 
 
+STORAGES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+"""How a feature cache stores features (features.storage besides auto)."""
+
+
+def storage_for(storage: str, dtype: str) -> str:
+    """features.storage as a cache of a `dtype` target (target.dtype) stores it: auto is the target's dtype."""
+    return dtype if storage == "auto" else storage
+
+
+def rounds(storage: str, dtype: str) -> bool:
+    """Whether storing a `dtype` target's features as `storage` rounds them: all but the target's own dtype and
+    float32 (which holds bfloat16 and float16 exactly) do."""
+    return storage not in (dtype, "float32")
+
+
 @dataclass
 class FeaturesConfig:
     """The on-disk cache of target features (written by extract.py, read by offline training)."""
@@ -249,8 +266,12 @@ class FeaturesConfig:
 
     dir: str = MISSING
     """Cache directory (holds manifest.json and shards)."""
-    storage: str = "bfloat16"
-    """bfloat16, or float8_e4m3fn with a per-token scale (about half the bytes)."""
+    storage: str = "auto"
+    """auto (the target's dtype, target.dtype: training reads the features evaluation and serving see, exactly),
+    float32, bfloat16, float16, or float8_e4m3fn with a per-token scale (about half the bytes of bfloat16). One
+    coarser than the target's dtype (bfloat16 or float8 for a float32 target) saves disk and trains the drafter on
+    rounded features: logged at extraction and at training start. Under auto, a cache begun or made before with
+    another storage is continued and reused as it is (dflash.data.extraction.cache_storage)."""
     shard_sequences: int = 256
     """Sequences per safetensors shard."""
     batch_tokens: int = 16384
@@ -266,7 +287,7 @@ class FeaturesConfig:
         if self.source == "vllm" and self.topk_logits:
             raise ConfigError("features.topk_logits needs the target's logits, which vLLM's hidden-state extraction "
                               "does not give: set features.topk_logits=0 or features.source=hf")
-        one_of("features.storage", self.storage, {"bfloat16", "float8_e4m3fn", "float32"})
+        one_of("features.storage", self.storage, {"auto", *STORAGES})
         positive("features.topk_logits", self.topk_logits, allow_zero=True)
         positive("features.shard_sequences", self.shard_sequences)
         positive("features.batch_tokens", self.batch_tokens)

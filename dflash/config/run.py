@@ -151,10 +151,12 @@ class EvalConfig:
     """Feature cache of the held-out set; null = cache/<target>/eval-<prompts>-n<max_new_tokens>/features."""
     max_new_tokens: int = 256
     """Length of the greedy held-out completions (and of live decoding)."""
-    completions_batch_size: int = 1
-    """Held-out prompts per generate call (source hf). 1, the default, generates each alone, with no padding: in
-    bf16 padding can change a real target's greedy tokens. The toy data sets 64: in float32 the toy target writes
-    the same tokens either way (tests/data/test_completions.py), in a ninth of the time."""
+    completions_batch_size: int = 32
+    """Held-out prompts per generate call (source hf), left-padded, longest first (as data.completions.batch_size).
+    In float32 the answers are the target's own greedy tokens either way (the toy target's, batched and alone:
+    tests/data/test_completions.py). In bfloat16 padding can flip a real target's greedy token at a near tie, so its
+    held-out answers may part from what live decoding writes one prompt at a time: 1 generates each alone, unpadded,
+    where teacher-forced and live figures must agree block for block. Part of the held-out set's key when > 1."""
     mode: str = "teacher_forced"
     """teacher_forced (features of the greedy completion) or live (real speculative decoding)."""
     every: int = 0

@@ -2,7 +2,7 @@
 
 Shard `shard-00007.safetensors` holds, for its sequences in order: `input_ids` [T] int32,
 `loss_mask` [T] uint8, `offsets` [n+1] int64 (sequence i is rows offsets[i]:offsets[i+1]) and
-`features` [T, n_layers*H] in the storage dtype (bfloat16, float32, or float8_e4m3fn with
+`features` [T, n_layers*H] in the storage dtype (float32, bfloat16, float16, or float8_e4m3fn with
 `scales` [T, n_layers] float32, one scale per token and layer), and with features.topk_logits = k the
 target's top-k next-token distribution per position (`topk_logprobs` [T, k], `topk_ids` [T, k], `topk_rest`
 [T]; manifest key `topk_logits`). Shards are read memory-mapped,
@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.config.data import rounds
 from dflash.data.stamp import Stamp, file_state
 from dflash.dist import Dist
 from dflash.errors import CacheError
@@ -112,8 +113,16 @@ def done_shards(root: Path) -> dict[int, dict]:
     return done
 
 
+def recorded_storage(root: Path) -> str | None:
+    """The storage of the cache begun or made at `root` (its manifest's), None where there is none."""
+    path = CacheLayout(Path(root)).manifest
+    return read_manifest(Path(root)).get("storage") if path.exists() else None
+
+
 def open_for_writing(root: Path, manifest: dict) -> None:
-    """Start a cache, or check that an unfinished one was begun with the same configuration."""
+    """Start a cache, or check that an unfinished one was begun with the same configuration. The manifest also
+    records `storage_exact`: whether the stored features are the target's exactly (storage its dtype or float32),
+    false where the drafter trains on rounded ones (dflash.config.data.rounds)."""
     root.mkdir(parents=True, exist_ok=True)
     for tmp in root.glob(".*.tmp"):  # debris of a crash mid-write
         tmp.unlink()
@@ -123,6 +132,8 @@ def open_for_writing(root: Path, manifest: dict) -> None:
         check_resumable(old, manifest, root)
         if old.get("complete"):
             return
+    if {"storage", "dtype"} <= manifest.keys():
+        manifest = {**manifest, "storage_exact": not rounds(manifest["storage"], manifest["dtype"])}
     write_json(path, {**manifest, "complete": False})
 
 

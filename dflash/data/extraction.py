@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dflash.config import ConfigError, DataConfig, FeaturesConfig, JobConfig
+from dflash.config.data import rounds, storage_for
 from dflash.data import cache as fcache
 from dflash.data.mixture import merge, source_store, sources_of
 from dflash.data.prompts import Prompt, load_prompts
@@ -30,14 +32,38 @@ from dflash.target.sharding import drain
 log = logging.getLogger(__name__)
 
 
+def cache_storage(storage: str, target: Target, dest: Path, dist: Dist) -> str:
+    """features.storage as the cache at `dest` stores it (resolved here, once per extraction; the config keeps what
+    the user wrote). auto is the target's dtype, unless a cache at `dest` was begun or made with another storage:
+    that one is kept, so that a cache made under the former default (bfloat16, also for float32 targets) is resumed
+    and reused as it is rather than refused or extracted again (the warning below says what it costs). An explicit
+    storage is what it says (a cache begun with another is refused, naming both: check_resumable)."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    chosen = storage_for(storage, dtype)
+    if storage == "auto":
+        chosen = fcache.recorded_storage(dest) or chosen
+    if dist.is_main and rounds(chosen, dtype):
+        log.warning(rounding_warning(dest, chosen, dtype))
+    return chosen
+
+
+def rounding_warning(dest: Path, storage: str, dtype: str) -> str:
+    """One line: the drafter trains on features rounded to `storage` while evaluation and serving see the target's."""
+    return (f"feature cache {dest}: the {dtype} target's features are stored in {storage}, so the drafter trains on "
+            f"rounded features while evaluation and serving see the target's own; features.storage=auto (or {dtype}) "
+            f"in a new features.dir stores them exactly")
+
+
 def extract_features(target: Target, layer_ids: list[int], prepared: Prepared, dest: Path, dist: Dist, *,
                      storage: str, shard_sequences: int, batch_tokens: int, max_length: int | None,
                      topk_logits: int = 0) -> dict:
     """Features of `prepared` (layers `layer_ids`) into the cache at `dest`: every shard not yet on
     disk (this process's share), then the manifest is finalized on the main process. Returns it.
-    topk_logits = k > 0: the shards also hold the target's top-k next-token distribution (features.topk_logits)."""
+    storage: features.storage (auto: the target's dtype; cache_storage). topk_logits = k > 0: the shards also hold
+    the target's top-k next-token distribution (features.topk_logits)."""
     from tqdm import tqdm
 
+    storage = cache_storage(storage, target, Path(dest), dist)
     manifest = features_manifest(target, layer_ids, storage, max_length, prepared.info, shard_sequences,
                                  topk_logits)
     root = Path(dest)
@@ -110,8 +136,11 @@ def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
     if job.features.source == "vllm":
         from dflash.data.vllm_features import extract_features_vllm
 
+        dest = Path(job.features.dir)
+        # vLLM computes in target.dtype too; its extraction reads the storage from the config group it is given
+        features = replace(job.features, storage=cache_storage(job.features.storage, target, dest, dist))
         return extract_features_vllm(target, job.target, resolve_layer_ids(job.layers, target.num_layers), prepared,
-                                     Path(job.features.dir), dist, job.features, job.data.max_length)
+                                     dest, dist, features, job.data.max_length)
     return extract_features(target, resolve_layer_ids(job.layers, target.num_layers), prepared,
                             Path(job.features.dir), dist, storage=job.features.storage,
                             shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,

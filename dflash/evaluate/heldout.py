@@ -92,8 +92,9 @@ def is_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
 def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), completions of
     eval.max_new_tokens (greedy, or sampled at eval.temperature > 0 with the target's top-k distributions
-    stored; eval.completions_batch_size prompts a batch: by default one at a time, no padding), untruncated,
-    features of `layer_ids` in float32. Needs the full target."""
+    stored; eval.completions_batch_size prompts a batch, left-padded), untruncated, features of `layer_ids` stored in
+    the target's dtype (storage auto: exact, as the target computes them, and as live decoding and training's cache
+    see them; a bfloat16 target's set is half the bytes of float32). Needs the full target."""
     prompts = _prompts(job)
     key = heldout_key(job, target, prompts)
     features_dir, store = heldout_paths(job, target, layer_ids, key)
@@ -119,7 +120,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
             skip_bad_records=job.data.skip_bad_records)))
     prepared = merge(parts)
     prepared.info["heldout_key"] = key  # checked again by load(), wherever the set lives
-    extract_features(target, layer_ids, prepared, features_dir, dist, storage="float32",
+    extract_features(target, layer_ids, prepared, features_dir, dist, storage="auto",
                      shard_sequences=job.features.shard_sequences, batch_tokens=job.features.batch_tokens,
                      max_length=None, topk_logits=job.eval.topk_logits if sampled else 0)
 

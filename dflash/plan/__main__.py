@@ -3,8 +3,10 @@
     python -m dflash.plan experiment=qwen3_6_27b
     python -m dflash.plan experiment=qwen3_8b train.num_anchors=1024 gpu_gb=[80,141]
     python -m dflash.plan experiment=qwen3_6_27b train.distributed=fsdp world_size=8 --json
+    python -m dflash.plan --config-dir ~/my_conf target=mine    # your own target/mine.yaml, as train.py takes it
 
-Arguments: train.py's Hydra overrides (conf/train.yaml) plus plan-only keys: gpu_gb (GiB, one or a list;
+Arguments: train.py's Hydra overrides (conf/train.yaml), its --config-dir / -cd (a folder of your own configs,
+searched beside conf/) and --config-name / -cn, plus plan-only keys: gpu_gb (GiB, one or a list;
 default [80,141]), world_size (data-parallel processes; 1), allowance_gb (CUDA context, NCCL; 2),
 fragmentation (share of the peak lost to the caching allocator; 0.1), sequences and tokens_per_sequence
 (the training data; default: the prompts data.prompts holds, else the DFlash paper's ~800K, and 1500

@@ -37,7 +37,7 @@ from dflash.plan.memory import GiB, Setup, Shape, max_anchors, peak
 PAPER_SEQUENCES, PAPER_TOKENS = 800_000, 1.2e9  # the DFlash paper's training data, about
 ASSUMED_MFU = 0.35
 LOADER_THREADS = 4  # transformers 5.x core_model_loading.GLOBAL_WORKERS (min(4, cpus))
-STORAGE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float32": 4}
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"  # what the GPU checks wrote (bench/)
 HAND_EDITED = "hand_edited.json"  # in RESULTS: the fields of a result written by hand, not by the tool that measured
 # what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and

@@ -178,30 +178,52 @@ def render(plan: dict, drafter, title: str) -> str:
     return "\n".join(lines)
 
 
+def parse_args(argv: list[str]) -> tuple[dict, list[str], dict, bool]:
+    """(plan keys, Hydra overrides, compose's config_dir and config_name, --json) from the command line. Like
+    train.py's, it takes --config-dir / -cd (a folder of the user's own configs, searched beside conf/) and
+    --config-name / -cn (the primary config, train by default), as `--config-dir DIR` or `--config-dir=DIR`."""
+    import argparse
+
+    from dflash.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m dflash.plan", add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-dir", "-cd")
+    parser.add_argument("--config-name", "-cn", default="train")
+    parser.add_argument("--json", action="store_true")
+    flags, rest = parser.parse_known_args(argv)
+    opts, overrides = dict(PLAN_KEYS), []
+    for arg in rest:
+        key, _, value = arg.partition("=")
+        if arg.startswith("-"):  # Hydra would read it as an override and fail on its lexer
+            raise ConfigError(f"python -m dflash.plan: {arg} is not an option; it takes train.py's overrides, plan "
+                              f"keys ({', '.join(PLAN_KEYS)}), --config-dir, --config-name and --json")
+        if key in ("gpu_gb", "concurrency"):
+            opts[key] = [float(v) for v in value.strip("[]").split(",") if v.strip()]
+        elif key in PLAN_KEYS:
+            opts[key] = type(PLAN_KEYS[key])(float(value) if isinstance(PLAN_KEYS[key], int) else value)
+        else:
+            overrides.append(arg)
+    return opts, overrides, {"config_dir": flags.config_dir, "config_name": flags.config_name}, flags.json
+
+
 def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
 
     from dflash.cli import fail
     from dflash.errors import ConfigError
 
-    opts, overrides = dict(PLAN_KEYS), []
-    for arg in sys.argv[1:] if argv is None else argv:
-        key, _, value = arg.partition("=")
-        if key in ("gpu_gb", "concurrency"):
-            opts[key] = [float(v) for v in value.strip("[]").split(",") if v.strip()]
-        elif key in PLAN_KEYS:
-            opts[key] = type(PLAN_KEYS[key])(float(value) if isinstance(PLAN_KEYS[key], int) else value)
-        elif arg != "--json":
-            overrides.append(arg)
     try:
-        job = compose(overrides)
+        opts, overrides, where, as_json = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        fail(e)
+    try:
+        job = compose(overrides, **where)
         drafter, shape, setup = build(job, opts["world_size"], opts["allowance_gb"], opts["fragmentation"])
     except Exception as e:  # a bad override, or a ConfigError (omegaconf wraps those a dataclass check raises)
         cause = next((x for x in (e, e.__cause__, e.__context__) if isinstance(x, (ConfigError, HydraException))), e)
         if cause is e and not isinstance(e, (ConfigError, HydraException)):
             raise
         fail(cause)
-    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     if opts["concurrency"]:
         from dflash.plan.serving import plan_serving, render_serving
 
@@ -214,4 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
     plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment),
                      auto_checkpointing=job["train"].gradient_checkpointing == "auto")
-    print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(overrides) or "conf/train.yaml"))
+    flags = ([f"--config-dir {where['config_dir']}"] if where["config_dir"] else []) + (
+        [f"--config-name {where['config_name']}"] if where["config_name"] != "train" else [])
+    print(json.dumps(plan, indent=2) if as_json else render(plan, drafter, " ".join(flags + overrides)
+                                                            or "conf/train.yaml"))

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from dflash.config import DataConfig, JobConfig
+from dflash.config.data import rounds
 from dflash.data import cache as fcache
-from dflash.data.extraction import extract_training, prepare_training, training_prompts
+from dflash.data.extraction import extract_training, prepare_training, rounding_warning, training_prompts
 from dflash.data.mixture import sampling, sources_of
 from dflash.data.prompts import BUILTIN, prompts_hash
 from dflash.data.sequences import made_with, read_record
@@ -63,6 +64,9 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
     cache = fcache.FeatureCache(job.features.dir, dtype=torch.float32)
+    made = cache.manifest  # a cache extracted just now: its extraction has said so already
+    if not extracted_now and dist.is_main and rounds(made["storage"], made.get("dtype", made["storage"])):
+        log.warning(rounding_warning(job.features.dir, made["storage"], made["dtype"]))
     cache.verify_all(dist)  # each shard hashed once, by one process; nothing at a second start
     if not extracted_now:  # a cache just extracted is of data.* by construction
         check_data(job, cache.manifest, cache.stamp)

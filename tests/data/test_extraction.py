@@ -25,7 +25,7 @@ def extracted(tmp_path_factory, tiny_targets):
     root = tmp_path_factory.mktemp("extract")
     job = compose("extract", ["target=tiny_qwen3_5", "data=tiny", "data.completions.max_new_tokens=24",
                               f"features.dir={root}/features", "features.shard_sequences=5",
-                              "features.storage=float32", "features.batch_tokens=300"])
+                              "features.batch_tokens=300"])  # float32: the target's dtype
     manifest = extract_training(job, tiny_targets["tiny_qwen3_5"], Dist())
     return job, manifest, tiny_targets["tiny_qwen3_5"]
 
@@ -108,3 +108,75 @@ def test_a_cache_just_extracted_is_not_hashed_again(extracted, monkeypatch):
     cache = FeatureCache(job.features.dir, dtype=torch.float32)
     cache.verify_all()
     assert hashed == [] and cache.hashed_bytes == 0 and len(manifest["shards"]) == 4
+
+
+def small_extract(tmp_path, *overrides):
+    return compose("extract", ["target=tiny_qwen3", "data=tiny", "data.limit=3", "data.completions.max_new_tokens=8",
+                               "features.shard_sequences=2", f"data.completions.path={tmp_path}/completions.jsonl",
+                               *overrides])
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tiny_targets):
+    """tiny_qwen3 loaded in bfloat16 (the folder tiny_targets built)."""
+    from dflash.target import load_target
+
+    return load_target(compose("train", ["target=tiny_qwen3", "target.dtype=bfloat16"]).target, torch.device("cpu"))
+
+
+def test_features_are_stored_in_the_targets_dtype_by_default(tmp_path, tiny_targets, bf16_target, caplog):
+    """features.storage=auto (issue 66, item 6): a float32 target's cache holds its float32 features exactly, as the
+    held-out set and live decoding see them; a bfloat16 target's holds bfloat16, which is all it computes. The
+    config keeps auto: the storage is resolved where the cache is made."""
+    from safetensors import safe_open
+
+    for target, dtype in ((tiny_targets["tiny_qwen3"], torch.float32), (bf16_target, torch.bfloat16)):
+        name = str(dtype).removeprefix("torch.")
+        job = small_extract(tmp_path / name, f"features.dir={tmp_path}/{name}/features")
+        manifest = extract_training(job, target, Dist())
+        assert job.features.storage == "auto"
+        assert (manifest["storage"], manifest["dtype"], manifest["storage_exact"]) == (name, name, True)
+        with safe_open(str(tmp_path / name / "features" / manifest["shards"][0]["file"]), "pt") as f:
+            assert f.get_slice("features").get_dtype() == {"float32": "F32", "bfloat16": "BF16"}[name]
+        cache = FeatureCache(job.features.dir, dtype=torch.float32)
+        ids, _, feats = cache[0]
+        ref = target_forward(target, ids[None], manifest["layer_ids"]).features[0].float()
+        assert (feats - ref).abs().max() < (1e-5 if dtype == torch.float32 else 0.05)  # batched vs alone
+    assert "rounded" not in caplog.text
+
+
+def test_a_storage_coarser_than_the_target_is_kept_and_said_once(tmp_path, tiny_targets, caplog):
+    """An explicit features.storage=bfloat16 for a float32 target saves disk; extraction says in one line that the
+    drafter trains on rounded features, and the manifest records it (storage_exact false)."""
+    job = small_extract(tmp_path, f"features.dir={tmp_path}/features", "features.storage=bfloat16")
+    with caplog.at_level("WARNING"):
+        manifest = extract_training(job, tiny_targets["tiny_qwen3"], Dist())
+    lines = [r.getMessage() for r in caplog.records if "rounded features" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "float32 target's features are stored in bfloat16" in lines[0] and "features.storage=auto" in lines[0]
+    assert (manifest["storage"], manifest["dtype"], manifest["storage_exact"]) == ("bfloat16", "float32", False)
+
+
+def test_a_cache_made_under_the_old_bfloat16_default_is_resumed_and_reused_under_auto(tmp_path, tiny_targets):
+    """A float32 target's cache made before auto (bfloat16, no storage_exact) is finished and reused as it is when
+    features.storage is left at auto, never refused or extracted again; an explicit other storage is refused in one
+    line naming storage."""
+    from dflash.errors import CacheError
+    from dflash.io import read_json, write_json
+
+    target, root = tiny_targets["tiny_qwen3"], tmp_path / "features"
+    old = small_extract(tmp_path, f"features.dir={root}", "features.storage=bfloat16")
+    made = extract_training(old, target, Dist())
+    digests = [s["sha256"] for s in made["shards"]]
+    # as the former default left it: storage bfloat16, no storage_exact, the last shard not yet written
+    manifest = {k: v for k, v in read_json(root / "manifest.json").items() if k not in ("storage_exact", "shards")}
+    write_json(root / "manifest.json", {**manifest, "complete": False})
+    (root / made["shards"][-1]["file"]).unlink()
+    (root / made["shards"][-1]["file"]).with_suffix(".json").unlink()
+    now = small_extract(tmp_path, f"features.dir={root}")  # features.storage left at auto
+    resumed = extract_training(now, target, Dist())
+    assert resumed["complete"] and resumed["storage"] == "bfloat16"
+    assert [s["sha256"] for s in resumed["shards"]] == digests  # finished in bfloat16, as begun
+    assert extract_training(now, target, Dist())["storage"] == "bfloat16"  # complete: reused as it is
+    with pytest.raises(CacheError, match=r'storage: cache has "bfloat16", this run has "float32"'):
+        extract_training(small_extract(tmp_path, f"features.dir={root}", "features.storage=float32"), target, Dist())

@@ -335,14 +335,17 @@ def test_heldout_set_is_keyed_by_everything_that_changes_its_sequences(tmp_path,
 
     base = path()
     for change in ("data.chat_template=false", "data.enable_thinking=true", "eval.max_prompts=1",
-                   "eval.max_new_tokens=20", "eval.prompts=builtin:tiny_prompts", "eval.completions_batch_size=8"):
+                   "eval.max_new_tokens=20", "eval.prompts=builtin:tiny_prompts", "eval.completions_batch_size=8",
+                   "eval.completions_batch_size=1"):
         assert path(change) != base, change
     other_tokenizer = copy.deepcopy(target.tokenizer)
     other_tokenizer.chat_template = "{{ messages[0]['content'] }}"
     assert path(tgt=replace(target, tokenizer=other_tokenizer)) != base
-    # not part of the held-out set; nor is the default one-prompt-at-a-time (sets made before the key had it)
-    for same in ("data.max_length=100", "eval.every=5", "train.num_anchors=4", "eval.completions_batch_size=1"):
+    for same in ("data.max_length=100", "eval.every=5", "train.num_anchors=4"):  # not part of the held-out set
         assert path(same) == base, same
+    # a set made one prompt at a time (the default before 32) keeps the key it had before the key held the batch size
+    alone = eval_job(tmp_path, f"eval.prompts={prompts}", "eval.completions_batch_size=1")
+    assert "completions_batch_size" not in heldout.heldout_key(alone, target)
     prompts.write_text('{"id": "a", "prompt": "one, edited"}\n{"id": "b", "prompt": "two"}\n')
     assert path() != base  # the same file name with other prompts
 
@@ -361,7 +364,8 @@ def test_heldout_set_in_an_explicit_folder_is_checked_against_the_settings(tmp_p
     batched = eval_job(tmp_path, f"eval.features_dir={tmp_path}/batched", "eval.max_prompts=1",
                        "eval.completions_batch_size=4")
     heldout.prepare(batched, target, [1, 3], Dist())
-    alone = eval_job(tmp_path, f"eval.features_dir={tmp_path}/batched", "eval.max_prompts=1")
+    alone = eval_job(tmp_path, f"eval.features_dir={tmp_path}/batched", "eval.max_prompts=1",
+                     "eval.completions_batch_size=1")
     with pytest.raises(CacheError, match="completions_batch_size: 4 there, None now"):  # a key only one side has
         heldout.load(alone, target, [1, 3])
 

@@ -232,3 +232,33 @@ def test_a_mixture_cache_made_regenerating_the_last_turn_is_refused_for_all_turn
     asked = job_for(tmp_path, prompts, mixture.format(p=prompts, r="all_turns"), "data.completions.max_new_tokens=4")
     with pytest.raises(CacheError, match=r"source a: regenerate: 'last_turn' there, 'all_turns' now"):
         sources.check_data(asked, manifest)
+
+
+def test_a_bfloat16_cache_of_a_float32_target_made_before_auto_still_trains(tmp_path, tiny_targets, caplog):
+    """A cache made under the former default (bfloat16 storage for the float32 tiny target, no storage_exact in its
+    manifest) trains under features.storage=auto as it is, nothing extracted again, and training start says in one
+    line that the drafter trains on rounded features."""
+    import torch
+
+    from dflash.data.extraction import extract_training
+    from dflash.dist import Dist
+    from dflash.io import read_json, write_json
+    from dflash.train.loop import train
+
+    root = tmp_path / "features"
+    common = ["debug=tiny", "target=tiny_qwen3", "data.limit=3", "data.completions.max_new_tokens=8",
+              f"features.dir={root}", "eval.max_prompts=1", "eval.max_new_tokens=8", "eval.at_start=false",
+              f"run.root={tmp_path}/runs", "train.max_steps=2"]
+    made = extract_training(compose("train", [*common, "features.storage=bfloat16"]), tiny_targets["tiny_qwen3"],
+                            Dist())
+    write_json(root / "manifest.json", {k: v for k, v in read_json(root / "manifest.json").items()
+                                        if k != "storage_exact"})
+    caplog.clear()  # extraction has said it; training start says it again
+    with caplog.at_level("WARNING"):
+        run = train(compose("train", [*common, "run.name=old-cache"]))  # features.storage left at auto
+    lines = [r.getMessage() for r in caplog.records if "rounded features" in r.getMessage()]
+    assert len(lines) == 1 and "float32 target's features are stored in bfloat16" in lines[0]
+    assert read_json(root / "manifest.json")["shards"] == made["shards"]  # nothing extracted again
+    losses = [json.loads(line)["train/loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in line]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
