@@ -267,7 +267,7 @@ def prompt_text(tokenizer, prompt: Prompt | list[dict], chat_template: bool, ena
     messages = prompt.messages if isinstance(prompt, Prompt) else prompt
     tools = prompt.tools if tools is None and isinstance(prompt, Prompt) else tools
     if not chat_template:
-        return "\n\n".join(m["content"] for m in messages)
+        return with_bos(tokenizer, "\n\n".join(m["content"] for m in messages))
     check_chat_template(tokenizer, chat_template)
     thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -279,6 +279,18 @@ def prompt_text(tokenizer, prompt: Prompt | list[dict], chat_template: bool, ena
                             f"out of the text{f' of {where}' if where else ''}; remove system turns from the prompts "
                             f"(or write them into the first user turn), or use a target whose template renders them")
     return text
+
+
+def with_bos(tokenizer, text: str) -> str:
+    """A plain-text prompt as the target continues it: after the bos token its tokenizer puts before a text (Gemma's
+    <bos>), as a server's completions endpoint adds it (chat templates write their own). Prompts are encoded without
+    special tokens (`encode`), so the token is in the text; a base model continues a text without it otherwise
+    (Gemma 3 270M: other tokens from the first on)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or text.startswith(bos):
+        return text
+    ids = tokenizer("x")["input_ids"]
+    return bos + text if ids and ids[0] == tokenizer.bos_token_id else text
 
 
 def check_chat_template(tokenizer, chat_template: bool) -> None:

@@ -129,3 +129,21 @@ def test_a_chat_template_that_drops_the_system_turn_is_refused(tiny_targets):
                                         r"prompt s; remove system turns"):
         prompt_text(dropping, chat, True, False, where="sharegpt prompt s")
     assert "hello" in prompt_text(dropping, [chat.messages[1]], True, False)  # no system turn: nothing to drop
+
+
+def test_a_plain_text_prompt_starts_with_the_bos_its_tokenizer_adds():
+    """data.chat_template=false: prompts are encoded without special tokens, so a tokenizer that puts a bos before a
+    text (Gemma's <bos>, as a completions endpoint adds it) gets it in the text; one that adds none gets none."""
+    from dflash.data.prompts import prompt_text
+
+    class Tok:
+        def __init__(self, adds):
+            self.bos_token, self.bos_token_id, self.adds = "<bos>", 2, adds
+
+        def __call__(self, text):
+            return {"input_ids": ([2] if self.adds else []) + [7] * len(text)}
+
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    assert prompt_text(Tok(True), messages, False, None) == "<bos>The capital of France is"
+    assert prompt_text(Tok(False), messages, False, None) == "The capital of France is"
+    assert prompt_text(Tok(True), [{"role": "user", "content": "<bos>x"}], False, None) == "<bos>x"
