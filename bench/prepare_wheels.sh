@@ -23,7 +23,7 @@ fi
 # transformers 5.x and triton 3.6). Not wandb: no check uses it (bench/gpu_check.sh sets
 # WANDB_MODE=disabled and dflash imports wandb only for a run that logs to W&B), and it was 20 of 25 MB
 # and 17 of the dependency wheels.
-WANT="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+WANT="hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 gguf==0.19.0
       flash-linear-attention==0.6.0 fla-core==0.6.0"
 rm -rf .whl
 mkdir -p .whl

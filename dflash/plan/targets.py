@@ -31,6 +31,18 @@ _GPT_OSS = {"hidden_size": 2880, "vocab_size": 201088, "intermediate_size": 2880
                                 "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False}}
 TARGETS = {
+    # the real small models of the GGUF presets (their config as transformers dequantizes the files): a plan needs
+    # no dequantized copy
+    "smollm2_135m": ("LlamaConfig", {
+        "hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 100_000.0}}),
+    "gemma3_270m": ("Gemma3TextConfig", {
+        "hidden_size": 640, "num_hidden_layers": 18, "vocab_size": 262144, "intermediate_size": 2048,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
     # transformers' MiniMaxM2Config defaults are MiniMax-M2's dimensions (its docstring), which M2.5 keeps: 62 layers,
     # hidden 3072, 48/8 heads x 128, 256 experts 1536 wide (top 8), vocab 200064
     "minimax_m2_5": ("MiniMaxM2Config", {}),
