@@ -253,9 +253,26 @@ def test_the_run_reads_the_configured_data(tmp_path):
 
 
 PRESETS = sorted(p.stem for p in (REPO / "conf/experiment").glob("*.yaml"))
+# The real small targets' experiments are sized for this machine and for one GPU, not for a node of 8.
+ONE_MACHINE = {"smollm2_135m_cpu", "smollm2_135m_gpu"}
+RECIPES = [p for p in PRESETS if p not in ONE_MACHINE]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_is_a_recipe_or_a_one_machine_experiment():
+    assert ONE_MACHINE <= set(PRESETS) and len(RECIPES) >= 12
+
+
+@pytest.mark.parametrize("preset", sorted(ONE_MACHINE))
+def test_the_one_machine_experiments_fit_one_gpu_at_their_own_data_size(preset):
+    """On one 80 GB GPU the plan fits them in the mode they name, at the data size they read."""
+    job = plan.compose([f"experiment={preset}"])
+    drafter, s, u = plan.build(job, world=1)
+    out = plan.make_plan(s, u, [80], drafter, plan.make_run(job, {}))
+    assert out["gpus"][0]["fits"]
+    assert out["run"]["sequences"] == job["data"]["limit"] and out["run"]["sequences_where"] != "paper"
+
+
+@pytest.mark.parametrize("preset", RECIPES)
 def test_each_preset_trains_as_the_plan_recommends_on_8_gpus(preset):
     """On 8 x 80 GB the preset's mode, distribution, checkpointing and anchors are the plan's recommendation;
     on 8 x 141 GB its mode and anchors are, and its set-up fits too. Its comment quotes the plan's figures."""
