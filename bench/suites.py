@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from bench import checkpointing, dflash2, gpu, head_loss, schedule
+from bench import checkpointing, dflash2, gpu, head_loss, real, schedule
 from bench.measure import matmul_call, paired_times, timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
@@ -340,7 +340,8 @@ SUITES = {"train_step": train_step, "extraction": extraction, "bytes_per_token":
           "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live, "feature_storage": feature_storage,
           "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels,
           "dflash2": dflash2.dflash2_costs, "head_loss": head_loss.head_loss_costs,
-          "checkpointing": checkpointing.checkpointing_costs, "schedule": schedule.schedule_costs}
+          "checkpointing": checkpointing.checkpointing_costs, "schedule": schedule.schedule_costs,
+          "real": real.real_stages}
 
 GOALS = {
     "train_packed_over_loop@512": (">=", 10.0),
@@ -356,6 +357,9 @@ GOALS = {
     "head_loss_dflash2_recompute_over_fused": (">=", 1.3),
     "schedule_micro_batch_ms@1M": ("<=", schedule.GOAL_MS),  # issue 65: a mixture's order was rebuilt every call
     "schedule_mixture_over_single@1M": ("<=", schedule.GOAL_RATIO),
+    "real_regeneration_tokens_per_s@32": (">=", 60.0),  # issue 66: SmolLM2 on 2 cores, batch 32
+    "real_step_rate_over_regeneration@32": ("<=", 1.5),
+    "real_train_step_s@2x8": ("<=", 1.0),
 }
 
 
@@ -394,6 +398,9 @@ def headline(b: dict) -> dict:
     if "schedule" in b:  # the larger of the two- and five-source mixtures' figures at 1M sequences
         h["schedule_micro_batch_ms@1M"] = b["schedule"]["micro_batch_ms_at_largest"]
         h["schedule_mixture_over_single@1M"] = b["schedule"]["mixture_over_single_at_largest"]
+    if "real" in b and "skipped" not in b["real"]:
+        for key in ("regeneration_tokens_per_s@32", "step_rate_over_regeneration@32", "train_step_s@2x8"):
+            h[f"real_{key}"] = b["real"][key]
     if "feature_storage" in b and "skipped" not in b["feature_storage"]:
         h["fp8_minus_bf16_heldout_tau"] = b["feature_storage"]["fp8_tau_minus_bf16"]
     return h
