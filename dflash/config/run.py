@@ -249,7 +249,9 @@ class EvalConfig:
     they are; slower). Recorded in summary.json."""
     tie_margin: float | None = None
     """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
-    is reported as a numerical tie, not a failure; null = 1e-3 for float32 targets, 0.1 otherwise."""
+    is reported as a numerical tie, not a failure; null = by the target's dtype: 1e-3 for float32 targets, 0.1
+    otherwise, or 4 units in the last place of the top logit in that dtype where larger (a bf16 logit of 20 is
+    stored to 0.125: a one-rounding difference between batched and one-token forwards is 0.125 there)."""
     warmup_tokens: int = 32
     """Live mode: before the timed decoding, the first prompt is decoded this many tokens, untimed and unscored,
     plainly and by each verifier, so that the kernels' compiles and autotuning are not timed as the first decoding's

@@ -33,6 +33,7 @@ prompt's forward excluded): the price of verifying a block in plain steps. The s
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import time
 from dataclasses import replace
@@ -57,19 +58,39 @@ from dflash.tracking import Progress
 log = logging.getLogger(__name__)
 
 
-def _top2_margin(target: Target, ids: list[int], position: int) -> float:
+TIE_ULPS = 4  # a margin within this many units in the last place of the top logit, in the target's dtype, is a tie
+
+
+def _top2(target: Target, ids: list[int], position: int) -> tuple[float, float]:
+    """(the top-2 margin of the target's logits at `position`, the top logit)."""
     out = target_forward(target, torch.tensor([ids[:position]], device=target.device), [], logits_to_keep=1)
     top = out.logits[0, -1].float().topk(2).values
-    return float(top[0] - top[1])
+    return float(top[0] - top[1]), float(top[0])
+
+
+def ulp(dtype: torch.dtype, value: float) -> float:
+    """The spacing of `dtype`'s numbers at |value| (its unit in the last place)."""
+    info = torch.finfo(dtype)  # eps: the spacing at 1.0
+    return math.ldexp(info.eps, math.frexp(max(abs(value), info.tiny))[1] - 1)
+
+
+def tie_margin_at(dtype: torch.dtype, top: float, floor: float) -> float:
+    """The margin below which a divergence counts as a numerical tie: `floor` (eval.tie_margin's default) or
+    TIE_ULPS of the dtype's spacing at the top logit, whichever is larger. A bf16 logit of 20 is stored to 0.125
+    (7 mantissa bits): batched and one-token forwards that round it apart differ by that, however right the loop."""
+    return max(floor, TIE_ULPS * ulp(dtype, top))
 
 
 def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[int], prompt_len: int,
-                   tie_margin: float) -> bool:
-    """True when equal; False for a divergence at a numerical near-tie (logged); raises otherwise."""
+                   tie_margin: float | None, floor: float = 0.0) -> bool:
+    """True when equal; False for a divergence at a numerical near-tie (logged); raises otherwise. tie_margin:
+    eval.tie_margin where set; None judges by the target's dtype at the logit there (tie_margin_at, from `floor`)."""
     if plain == spec:
         return True
     pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    margin = _top2_margin(target, plain, pos) if pos < min(len(plain), len(spec)) else float("inf")
+    margin, top = _top2(target, plain, pos) if pos < min(len(plain), len(spec)) else (float("inf"), 0.0)
+    if tie_margin is None:
+        tie_margin = tie_margin_at(target.dtype, top, floor)
     where = (f"prompt {prompt_id}: speculative decoding diverged from plain decoding at generated token "
              f"{pos - prompt_len} (plain {plain[pos:pos + 1]}, speculative {spec[pos:pos + 1]}; lengths "
              f"{len(plain) - prompt_len} vs {len(spec) - prompt_len})")
@@ -77,7 +98,8 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
         log.warning("%s, where the target's top-2 logits differ by only %.2e: a numerical tie between batched "
                     "and one-token forwards, not a verification bug", where, margin)
         return False
-    raise LosslessError(f"{where}; the target's top-2 logit margin there is {margin:.3g}, far from a tie. The "
+    raise LosslessError(f"{where}; the target's top-2 logit margin there is {margin:.3g}, above the {tie_margin:.3g} "
+                        f"that counts as a numerical tie (eval.tie_margin). The "
                         f"decoding loop is not lossless: this is a bug, please report it")
 
 
@@ -116,7 +138,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     target (hybrid ones verify a tree as a batch of its paths, dflash.evaluate.verify)."""
     cfg, data = job.eval, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
-    tie = cfg.tie_margin if cfg.tie_margin is not None else (1e-3 if target.dtype == torch.float32 else 0.1)
+    tie, floor = cfg.tie_margin, (1e-3 if target.dtype == torch.float32 else 0.1)  # None: by the dtype (tie_margin_at)
     stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
@@ -181,7 +203,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 tot["time"] += time.perf_counter() - t0
                 if compared:
                     ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
-                                               ids.shape[1], tie)
+                                               ids.shape[1], tie, floor)
                 if budget is None and tree == "marginal":
                     new = res.output_ids[0, ids.shape[1]:].tolist()
                     answers.append(target.tokenizer.decode(new, skip_special_tokens=True))

@@ -143,3 +143,38 @@ def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_ta
         assert m[f"{prefix}draft_ms_per_step"] == 1000.0 and m[f"{prefix}verify_ms_per_step"] == 10_000.0
         assert m[f"{prefix}verify_over_plain"] == 1.0
         assert m[f"{prefix}speedup"] == pytest.approx(m["eval/live_plain_s"] / m[f"{prefix}spec_s"])
+
+
+def test_a_divergence_one_bf16_rounding_apart_is_a_tie_and_a_wide_one_a_bug(monkeypatch):
+    """Live SmolLM2 in bf16 stopped as 'a bug' at a top-2 margin of 0.125 with a top logit near 20: one unit in
+    bf16's last place there. A tie is judged by the dtype's spacing at the top logit (4 units), never below the
+    floor, and eval.tie_margin still sets it outright."""
+    from types import SimpleNamespace
+
+    from dflash.errors import LosslessError
+    from dflash.evaluate import live
+
+    assert live.ulp(torch.bfloat16, 20.0) == 0.125 and live.ulp(torch.float32, 20.0) == 2.0 ** -19
+    assert live.ulp(torch.bfloat16, -3.0) == 2.0 ** -6
+    plain, spec = [1, 2, 3, 4], [1, 2, 3, 5]
+    bf16, fp32 = SimpleNamespace(dtype=torch.bfloat16), SimpleNamespace(dtype=torch.float32)
+
+    def at(margin, top):
+        monkeypatch.setattr(live, "_top2", lambda target, ids, pos: (margin, top))
+
+    at(0.125, 20.0)
+    assert live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1) is False  # a tie, logged
+    assert live.check_lossless(bf16, "p", plain, plain, 1, None, 0.1) is True
+    with pytest.raises(LosslessError, match="0.05 that counts as a numerical tie"):
+        live.check_lossless(bf16, "p", plain, spec, 1, 0.05, 0.1)  # eval.tie_margin=0.05 set by hand
+    at(0.6, 20.0)  # 4.8 units of 0.125
+    with pytest.raises(LosslessError, match="far from|above the 0.5 "):
+        live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1)
+    at(0.125, 1.5)  # small logits: bf16's spacing 2**-7, the floor 0.1 rules
+    with pytest.raises(LosslessError):
+        live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1)
+    at(0.01, 20.0)  # float32: the floor 1e-3 rules
+    with pytest.raises(LosslessError):
+        live.check_lossless(fp32, "p", plain, spec, 1, None, 1e-3)
+    at(5e-4, 20.0)
+    assert live.check_lossless(fp32, "p", plain, spec, 1, None, 1e-3) is False
