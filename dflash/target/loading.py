@@ -20,7 +20,7 @@ from torch import nn
 
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
-from dflash.target import gguf
+from dflash.target.gguf import check_memory, ensure_dequantized, record as gguf_record
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
 from dflash.target.mask import OWN_MODEL, check_mask_token
 from dflash.target.quantization import check_heads, declared, loading_kwargs, record
@@ -239,7 +239,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
                                                cfg.attn_implementation, common)
         else:
             if device.type == "cpu" and model_dir is not None and cfg.device_map is None:
-                gguf.check_memory(weights_elements(model_dir) * dtype.itemsize, f"target {cfg.name} ({model_dir}) "
+                check_memory(weights_elements(model_dir) * dtype.itemsize, f"target {cfg.name} ({model_dir}) "
                                   f"in {cfg.dtype}")
             model = _load_model(path, cfg, dtype, common, device, quantized)
         model.requires_grad_(False).eval()
@@ -251,7 +251,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
         scales = target_scales(text_config, embed)
     check_mask_token(cfg, tokenizer, embed.weight.shape[0], _generation_config(model, path))
     quantization = (record(quantized, model_dir, model) if quantized
-                    else gguf.record(model_dir) if model_dir is not None else None)
+                    else gguf_record(model_dir) if model_dir is not None else None)
     target = Target(model=model, tokenizer=tokenizer, config=text_config, layers=layers, final_norm=norm,
                     embed_tokens=embed, lm_head=head, mask_token_id=cfg.mask_token_id, path=path,
                     kernels=kernels, fingerprint=weights_fingerprint(model_dir) if model_dir else "unknown",
@@ -319,7 +319,7 @@ def read_config(cfg: TargetConfig) -> tuple[str, Path | None, object]:
 
     ensure_built(cfg)
     if cfg.gguf is not None:
-        gguf.ensure_dequantized(cfg.gguf, Path(cfg.path).expanduser())
+        ensure_dequantized(cfg.gguf, Path(cfg.path).expanduser())
     model_dir = local_model_dir(cfg.path, cfg.revision)
     path = str(model_dir) if model_dir is not None else cfg.path
     try:
