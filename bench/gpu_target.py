@@ -160,15 +160,15 @@ def first_divergence(target, plain: list[int], spec: list[int], prompt_len: int)
     differ (generated token index), both tokens, the lengths, and the target's top-2 logit margin at
     that position in a plain forward (a near-tie there is a numerical flip between batched and
     one-token forwards; a clear margin is a verification bug)."""
-    from dflash.evaluate.live import _top2_margin  # the margin the evaluation's own lossless check uses
+    from dflash.evaluate.live import _top2  # the margin the evaluation's own lossless check uses
 
     if plain == spec:
         return None
     pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
     # one output a prefix of the other (a stop or length bug): no token pair to compare, no margin
-    margin = _top2_margin(target, plain, pos) if pos < min(len(plain), len(spec)) else None
+    margin, top = _top2(target, plain, pos) if pos < min(len(plain), len(spec)) else (None, None)
     return {"at": pos - prompt_len, "plain": plain[pos:pos + 1], "spec": spec[pos:pos + 1],
-            "lengths": [len(plain) - prompt_len, len(spec) - prompt_len], "margin": margin}
+            "lengths": [len(plain) - prompt_len, len(spec) - prompt_len], "margin": margin, "top_logit": top}
 
 
 def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_tokens: int = 48,

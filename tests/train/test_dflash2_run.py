@@ -317,13 +317,23 @@ def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workd
         assert torch.equal(load_drafter(str(folder)).candidate_selector.predecessor_codebook.detach(), served)
 
 
-def test_a_dflash2_run_under_bf16_autocast_evaluates_in_run(workdir):
+def test_a_dflash2_run_under_bf16_autocast_evaluates_in_run(tmp_path):
     """train.mixed_precision=bf16 on a bf16 target: accelerate's autocast wrapper makes the drafter's forward return
     float32, and the in-run evaluation's bf16 selector refused it (a dtype error at step 0 of SmolLM2's DFlash 2
-    run). Its hidden states are now in the served drafter's dtype."""
-    run = train(job_for(workdir, "d2bf16", "drafter=dflash2", "drafter.num_layers=1", "drafter.selector_rank=16",
-                        "train.max_steps=2", "train.save_every=2", "train.batch_size=2", "data.limit=4",
-                        "train.mixed_precision=bf16", "target.dtype=bfloat16", "eval.ddtree_budgets=[4]",
-                        target="tiny_qwen3"))
-    summary = json.loads((run / "eval" / "step-000002" / "summary.json").read_text())
+    run). Its hidden states are now in the served drafter's dtype. In a process of its own: accelerate's state,
+    once made without mixed precision by another test, refuses bf16 for the rest of the process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "train.py", "debug=tiny", "drafter.kind=dflash2", "drafter.num_layers=1",
+           "drafter.selector_rank=16", "train.max_steps=2", "train.save_every=2", "train.mixed_precision=bf16",
+           "target.dtype=bfloat16", "eval.ddtree_budgets=[4]", "logger=none", f"run.root={tmp_path}/runs",
+           "run.name=d2bf16", f"features.dir={tmp_path}/features", f"data.completions.path={tmp_path}/c.jsonl"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "runs" / "d2bf16" / "eval" / "step-000002" / "summary.json").read_text())
     assert summary["dtype"] == "bfloat16" and summary["metrics"]["eval/tau"] >= 1.0
