@@ -135,17 +135,21 @@ def _mean_sd(values: list) -> tuple[float | None, float | None]:
     return mean, sd
 
 
+def curve(metrics: list[dict], key: str) -> tuple[list, list]:
+    """(steps, values) of `key` in step order, the last value logged at a step kept: evaluate.py logs an earlier
+    checkpoint after later ones (a line drawn in logging order went back and forth)."""
+    at = {m["step"]: m[key] for m in metrics if isinstance(m.get(key), (int, float))}
+    steps = sorted(at)
+    return steps, [at[s] for s in steps]
+
+
 def make_plots(runs: list[dict], out: Path) -> dict[str, Path]:
     """held-out tau, train loss and train tau against step (all runs), and per-position accuracy
     at each run's best checkpoint."""
     plots = {}
     for key, title, marker in (("eval/tau", "held-out tau", "o"), ("train/loss", "train loss", None),
                                ("train/tau", "train tau", None)):
-        curves = {}
-        for r in runs:
-            pts = [(m["step"], m[key]) for m in r["metrics"] if isinstance(m.get(key), (int, float))]
-            if pts:
-                curves[r["name"]] = tuple(map(list, zip(*pts)))
+        curves = {r["name"]: pts for r in runs if (pts := curve(r["metrics"], key))[0]}
         name = key.replace("/", "_")
         plots[name] = line_plot(out / f"{name}.png", curves, "train step", key, title, marker=marker)
     best = {r["name"]: summary_row(r)["best_step"] for r in runs}

@@ -68,3 +68,14 @@ def test_report_cli_takes_the_run_names_of_a_two_key_sweep(sweep):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [row["run"] for row in summary["rows"]] == runs[:2]
+
+
+def test_a_curve_is_drawn_in_step_order_whatever_the_logging_order():
+    """evaluate.py checkpoint=step1000 after training logged step 2000: the held-out tau line went 0 -> 2000 ->
+    1000. Points are in step order, a step evaluated again takes its last value, non-numbers are skipped."""
+    from dflash.evaluate.report import curve
+
+    logged = [{"step": 0, "eval/tau": 1.0}, {"step": 2000, "eval/tau": 1.32}, {"step": 50, "train/loss": 9.0},
+              {"step": 1000, "eval/tau": 1.29}, {"step": 2000, "eval/tau": 1.33}, {"step": 10, "eval/tau": None}]
+    assert curve(logged, "eval/tau") == ([0, 1000, 2000], [1.0, 1.29, 1.33])
+    assert curve(logged, "train/loss") == ([50], [9.0]) and curve(logged, "nope") == ([], [])
