@@ -65,11 +65,17 @@ def served_copy(drafter, served: torch.dtype, dtype: torch.dtype):
     """The drafter as its checkpoint serves it, to evaluate in `dtype`: its weights rounded to `served` (what
     model.safetensors holds, train.save_dtype), as evaluate.py loads them; a copy where that changes a weight, so the
     training weights stay float32. Evaluating the float32 weights of a run on a float32 target read another drafter
-    than the one served: 2.003 against evaluate.py's 2.005 for one DFlash 2 toy run."""
+    than the one served: 2.003 against evaluate.py's 2.005 for one DFlash 2 toy run. The copy runs its class's own
+    forward: accelerate's train.mixed_precision wrapper (an instance `forward` under autocast, returning float32)
+    stays on the training drafter, as evaluate.py runs none (DFlash 2's bf16 selector refused its float32 output)."""
     weights = next(drafter.parameters()).dtype
-    if weights == served == dtype:
+    wrapped = "forward" in vars(drafter)
+    if weights == served == dtype and not wrapped:
         return drafter
     drafter = copy.deepcopy(drafter)
+    if wrapped:
+        del drafter.forward
+        vars(drafter).pop("_original_forward", None)
     with torch.no_grad():
         for p in drafter.parameters():  # parameters only: buffers (rotary frequencies) are not saved, but rebuilt
             if p.is_floating_point():

@@ -90,10 +90,8 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                 chunk = torch.tensor(anchors[s: s + ANCHORS_PER_FORWARD], dtype=torch.long)
                 blocks = pack_blocks(ids[None], label_mask[None], torch.tensor([length]), [chunk], B,
                                      drafter.mask_token_id).to(device)
-                # in the drafter's dtype, as served: a drafter that accelerate prepared for bf16 autocast returns
-                # float32 from its forward, which DFlash 2's bf16 selector then refused (train.mixed_precision=bf16)
                 hidden = draft_packed(drafter, embed, feats[None].to(device, dtype), blocks, backend,
-                                      num_blocks=ANCHORS_PER_FORWARD)[0, :, 1:].to(dtype)
+                                      num_blocks=ANCHORS_PER_FORWARD)[0, :, 1:]
                 logits = drafter.scales.logits(hidden, head.weight)
                 logp = torch.log_softmax(logits, -1)
                 top = logp.topk(K, dim=-1)
