@@ -74,23 +74,24 @@ def ulp(dtype: torch.dtype, value: float) -> float:
     return math.ldexp(info.eps, math.frexp(max(abs(value), info.tiny))[1] - 1)
 
 
-def tie_margin_at(dtype: torch.dtype, top: float, floor: float) -> float:
-    """The margin below which a divergence counts as a numerical tie: `floor` (eval.tie_margin's default) or
-    TIE_ULPS of the dtype's spacing at the top logit, whichever is larger. A bf16 logit of 20 is stored to 0.125
-    (7 mantissa bits): batched and one-token forwards that round it apart differ by that, however right the loop."""
-    return max(floor, TIE_ULPS * ulp(dtype, top))
+def tie_margin_at(dtype: torch.dtype, top: float) -> float:
+    """The margin below which a divergence counts as a numerical tie (eval.tie_margin null): a floor of 1e-3 for
+    float32 and 0.1 otherwise, or TIE_ULPS of the dtype's spacing at the top logit, whichever is larger. A bf16 logit
+    of 20 is stored to 0.125 (7 mantissa bits): batched and one-token forwards that round it apart differ by that,
+    however right the loop."""
+    return max(1e-3 if dtype == torch.float32 else 0.1, TIE_ULPS * ulp(dtype, top))
 
 
 def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[int], prompt_len: int,
-                   tie_margin: float | None, floor: float = 0.0) -> bool:
+                   tie_margin: float | None) -> bool:
     """True when equal; False for a divergence at a numerical near-tie (logged); raises otherwise. tie_margin:
-    eval.tie_margin where set; None judges by the target's dtype at the logit there (tie_margin_at, from `floor`)."""
+    eval.tie_margin where set; None judges by the target's dtype at the logit there (tie_margin_at)."""
     if plain == spec:
         return True
     pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
     margin, top = _top2(target, plain, pos) if pos < min(len(plain), len(spec)) else (float("inf"), 0.0)
     if tie_margin is None:
-        tie_margin = tie_margin_at(target.dtype, top, floor)
+        tie_margin = tie_margin_at(target.dtype, top)
     where = (f"prompt {prompt_id}: speculative decoding diverged from plain decoding at generated token "
              f"{pos - prompt_len} (plain {plain[pos:pos + 1]}, speculative {spec[pos:pos + 1]}; lengths "
              f"{len(plain) - prompt_len} vs {len(spec) - prompt_len})")
@@ -138,7 +139,6 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     target (hybrid ones verify a tree as a batch of its paths, dflash.evaluate.verify)."""
     cfg, data = job.eval, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
-    tie, floor = cfg.tie_margin, (1e-3 if target.dtype == torch.float32 else 0.1)  # None: by the dtype (tie_margin_at)
     stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
@@ -203,7 +203,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 tot["time"] += time.perf_counter() - t0
                 if compared:
                     ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
-                                               ids.shape[1], tie, floor)
+                                               ids.shape[1], cfg.tie_margin)
                 if budget is None and tree == "marginal":
                     new = res.output_ids[0, ids.shape[1]:].tolist()
                     answers.append(target.tokenizer.decode(new, skip_special_tokens=True))

@@ -163,18 +163,18 @@ def test_a_divergence_one_bf16_rounding_apart_is_a_tie_and_a_wide_one_a_bug(monk
         monkeypatch.setattr(live, "_top2", lambda target, ids, pos: (margin, top))
 
     at(0.125, 20.0)
-    assert live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1) is False  # a tie, logged
-    assert live.check_lossless(bf16, "p", plain, plain, 1, None, 0.1) is True
+    assert live.check_lossless(bf16, "p", plain, spec, 1, None) is False  # a tie, logged
+    assert live.check_lossless(bf16, "p", plain, plain, 1, None) is True
     with pytest.raises(LosslessError, match="0.05 that counts as a numerical tie"):
-        live.check_lossless(bf16, "p", plain, spec, 1, 0.05, 0.1)  # eval.tie_margin=0.05 set by hand
+        live.check_lossless(bf16, "p", plain, spec, 1, 0.05)  # eval.tie_margin=0.05 set by hand
     at(0.6, 20.0)  # 4.8 units of 0.125
     with pytest.raises(LosslessError, match="far from|above the 0.5 "):
-        live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1)
+        live.check_lossless(bf16, "p", plain, spec, 1, None)
     at(0.125, 1.5)  # small logits: bf16's spacing 2**-7, the floor 0.1 rules
     with pytest.raises(LosslessError):
-        live.check_lossless(bf16, "p", plain, spec, 1, None, 0.1)
+        live.check_lossless(bf16, "p", plain, spec, 1, None)
     at(0.01, 20.0)  # float32: the floor 1e-3 rules
     with pytest.raises(LosslessError):
-        live.check_lossless(fp32, "p", plain, spec, 1, None, 1e-3)
+        live.check_lossless(fp32, "p", plain, spec, 1, None)
     at(5e-4, 20.0)
-    assert live.check_lossless(fp32, "p", plain, spec, 1, None, 1e-3) is False
+    assert live.check_lossless(fp32, "p", plain, spec, 1, None) is False
