@@ -69,9 +69,7 @@ def regeneration(dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
     def theirs():
         made = 0
         for b in batches:
-            side, tok.padding_side = tok.padding_side, "left"
-            enc = tok(b, return_tensors="pt", padding=True, add_special_tokens=False)
-            tok.padding_side = side
+            enc = _left_padded(tok, b)
             with torch.no_grad():
                 out = target.model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, eos_token_id=stops,
                                             pad_token_id=tok.pad_token_id)
@@ -103,13 +101,19 @@ def regeneration(dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
     }
 
 
+def _left_padded(tok, texts: list[str]):
+    """A batch left-padded, as generate_hf encodes one."""
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tok.padding_side = side
+
+
 def _model_parts(target, texts: list[str], new_tokens: int) -> tuple[float, float]:
     """(seconds of one batched prefill, median seconds of one batched decode step after it, halfway through
     new_tokens), with transformers' KV cache, as generate runs them."""
-    tok = target.tokenizer
-    side, tok.padding_side = tok.padding_side, "left"
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    tok.padding_side = side
+    enc = _left_padded(target.tokenizer, texts)
     model = target.model
     with torch.no_grad():
         t0 = time.perf_counter()
