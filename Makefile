@@ -62,7 +62,8 @@ bench: venv
 	HF_HUB_OFFLINE=1 $(PY) -m bench --quick
 
 # The real engines, each in a venv of its own beside the main one (never in it: triton there makes transformers
-# bind fla's GPU kernels): vLLM's CPU build serving our exports, and fla's kernels under Triton's interpreter.
+# bind fla's GPU kernels): vLLM's CPU build serving our exports (on a tiny target and on SmolLM2, whose GGUF file
+# and ShareGPT come with the main venv's `real` extra), and fla's kernels under Triton's interpreter.
 # Versions: bench/engines/pins.py; what is checked: bench/engines/{vllm,fla}_check.py. A venv is rebuilt when
 # the pins change. Results: bench/results/<date>-engines.json.
 ENGINES ?= .venv-engines
@@ -83,7 +84,7 @@ $(ENGINES)/fla/.installed: $(PINS) pyproject.toml
 	$(ENGINES)/fla/bin/python -m pip install -q --no-compile -e . $$($(PYTHON) $(PINS) fla)
 	touch $@
 
-engines: venv $(ENGINES)/vllm/.installed $(ENGINES)/fla/.installed
+engines: $(VENV)/.real $(ENGINES)/vllm/.installed $(ENGINES)/fla/.installed
 	HF_HUB_OFFLINE=1 WANDB_MODE=disabled $(PY) -m bench.engines --vllm-python $(ENGINES)/vllm/bin/python \
 		--fla-python $(ENGINES)/fla/bin/python
 

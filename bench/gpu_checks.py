@@ -229,7 +229,8 @@ def vllm_dflash2(budget: float) -> dict:
         return {"status": "SKIP", "summary": "vllm is not installed here; pip install vllm, then rerun this check"}
     from bench.engines import vllm_check
 
-    out = vllm_check.check(sys.executable, REPO / "build" / "engines" / "vllm-gpu", exports=["dflash2", "mixed"])
+    out = vllm_check.check(sys.executable, REPO / "build" / "engines" / "vllm-gpu", exports=["dflash2", "mixed"],
+                           cases=["tiny_qwen3_hd32"])
     return {"status": "PASS" if out["ok"] else "FAIL", "summary": vllm_check.verdict(out).replace("\n", "; "),
             "result": out}
 

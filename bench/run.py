@@ -63,6 +63,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 cores")
     parser.add_argument("--drafter", help="a drafter directory for the live-decoding benchmark (default: random)")
+    parser.add_argument("--vllm-python", help="python of the vLLM venv (make engines): the real stages also time "
+                        "regeneration served by vLLM's CPU build")
     parser.add_argument("--out", type=Path, help="result file (default: bench/results/<date>-<machine>.json)")
     parser.add_argument("--only", nargs="*", help="run only these benchmarks")
     args = parser.parse_args(argv)
@@ -85,7 +87,8 @@ def main(argv=None) -> dict:
             continue
         t = time.time()
         with PeakMemory(device) as mem:
-            out = fn(quick=args.quick, device=device, drafter=args.drafter, machine=results["machine"])
+            out = fn(quick=args.quick, device=device, drafter=args.drafter, machine=results["machine"],
+                     vllm_python=args.vllm_python)
         out["peak_memory_mib"] = round(mem.mib, 1)
         out["seconds"] = round(time.time() - t, 1)
         results["benchmarks"][name] = out

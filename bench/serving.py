@@ -33,10 +33,12 @@ from pathlib import Path
 
 from bench.engines import REPO, compose_job, run
 from bench.engines.server import EngineError, free_port, served
-# the vLLM check's tiny_qwen3_hd32 (vLLM's CPU attention needs head width 32) and its drafter's 100 training steps
-from bench.engines.vllm_check import COMMON, STEPS
+from bench.engines.vllm_check import CASES
 from dflash.io import unused_path
 from dflash.plan import serving as model
+
+# the vLLM check's tiny_qwen3_hd32 (vLLM's CPU attention needs head width 32) and its drafter's 100 training steps
+COMMON, STEPS = CASES["tiny_qwen3_hd32"].common, CASES["tiny_qwen3_hd32"].steps
 
 PROMPTS = "builtin:tiny_prompts"
 TOLERANCE = 0.20  # the model's ratio within 20% of the measured one at every concurrency (issue 52)

