@@ -270,17 +270,18 @@ def case_verdict(result: dict) -> list[str]:
              f"target-only vLLM = Hugging Face greedy: {'yes' if result['target_only_equals_hf'] else 'NO'}"]
     for name, e in result["exports"].items():
         if not e["served"]:
-            lines.append(f"    {name}: not served by vLLM's CPU build ({'expected' if e['expected'] else 'UNEXPECTED'}): "
-                         f"{e['error'][:160]}")
+            expected = "expected" if e["expected"] else "UNEXPECTED"
+            lines.append(f"    {name}: not served by vLLM's CPU build ({expected}): {e['error'][:160]}")
             continue
         alone = " (vLLM serving one request at a time)" if e.get("acceptance_from") == "alone" else ""
         lines.append(f"    {name}: outputs {'identical' if e['lossless'] else 'DIFFER'}, acceptance{alone} "
                      f"{'identical' if e['acceptance_equal'] else 'DIFFERS'} (tau ours {e['our_tau']:.3f}, vLLM "
                      f"{e['vllm_tau']:.3f}), attention keys {'read alike' if e['attention_read_alike'] else 'READ DIFFERENTLY'}")
         if alone:
-            lines.append(f"      batched: outputs {'identical' if e['batched_lossless'] else 'DIFFER'}, "
-                         f"acceptance differs on {len(e['batched_acceptance_mismatches'])} of {result['prompts']} prompts "
-                         f"(tau {e['batched_vllm_tau']:.3f}; reported, not judged)")
+            differ = len(e["batched_acceptance_mismatches"])
+            lines.append(f"      batched: outputs {'identical' if e['batched_lossless'] else 'DIFFER'}, acceptance "
+                         f"differs on {differ} of {result['prompts']} prompts (tau {e['batched_vllm_tau']:.3f}; "
+                         f"reported, not judged)")
     return lines
 
 
