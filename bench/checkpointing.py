@@ -6,7 +6,7 @@ One drafter at the Qwen3-8B drafter's proportions, shrunk (hidden 256, MLP 3x, 8
 heads, 2 layers, blocks of 16), 256 blocks over a 1024-token context, the packed sdpa path and the head's loss over a
 2048-token vocabulary, in float32 (on a CPU; bf16 autocast on CUDA). Timed in alternation (bench.measure.alternating):
 the step's forward and backward with no checkpointing, selective (dflash.drafter.recompute) and full. Each mode's
-peak tensor memory is measured once (bench.measure.TensorPeak, on any device; tests/test_plan.py holds the memory
+peak tensor memory is measured once (bench.measure.TensorPeak, on any device; tests/plan/test_plan.py holds the memory
 plan to such measurements).
 """
 

@@ -103,7 +103,7 @@ def qwen3_6_step(budget: float) -> dict:
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (a 1.8B-parameter drafter step through flex attention; "
-                                             "tests/test_gpu_check.py runs the same code on CPU at a tiny size)"}
+                                             "tests/bench/test_gpu_check.py runs the same code on CPU at a tiny size)"}
     from bench.gpu import QWEN3_6_PRESET, preset_step
 
     return preset_verdict(preset_step(device, QWEN3_6_PRESET, budget_s=budget))

@@ -11,7 +11,7 @@
   the loss against eager's, and nothing compiled again by the timed steps or by another length of the same padded
   shape.
 
-On CPU tests/test_gpu_layers.py runs the same code at a tiny size.
+On CPU tests/bench/test_gpu_layers.py runs the same code at a tiny size.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def checkpointing_modes(budget: float) -> dict:
     """CUDA only: measure_modes at the Qwen3.6-27B preset, judged by modes_verdict."""
     if not torch.cuda.is_available():
         return {"status": "SKIP", "summary": "needs CUDA (the Qwen3.6-27B drafter's step in three modes; "
-                                             "tests/test_gpu_layers.py runs the same code on CPU at a tiny size)"}
+                                             "tests/bench/test_gpu_layers.py runs the same code on CPU at a tiny size)"}
     return modes_verdict(measure_modes(torch.device("cuda")))
 
 
@@ -200,6 +200,6 @@ def compiled_layers(budget: float) -> dict:
     """CUDA only: measure_compiled at the Qwen3.6-27B preset, judged by compiled_verdict."""
     if not torch.cuda.is_available():
         return {"status": "SKIP", "summary": "needs CUDA (the Qwen3.6-27B drafter's step eager and with compiled "
-                                             "layers; tests/test_gpu_layers.py runs the same code on CPU at a tiny "
+                                             "layers; tests/bench/test_gpu_layers.py runs the same code on CPU at a tiny "
                                              "size)"}
     return compiled_verdict(measure_compiled(torch.device("cuda")))

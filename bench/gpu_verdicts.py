@@ -4,7 +4,7 @@ functions of its results, so the tests judge fabricated ones on CPU)."""
 from __future__ import annotations
 
 RECIPE_LENGTH = 3072
-PLAN_TOL = 0.15  # the plan's peak against the measured one (tests/test_plan.py holds it to this on CPU)
+PLAN_TOL = 0.15  # the plan's peak against the measured one (tests/plan/test_plan.py holds it to this on CPU)
 BF16_TIE_MARGIN = 0.1  # the floor dflash.evaluate.live takes for a tie of bf16 logits (eval.tie_margin null); live
 # widens it to 4 units in the last place of the top logit where larger (tie_margin_at: 0.5 at a logit of 20)
 

@@ -6,7 +6,7 @@ it compiles them (train.compile=layers, `compile_layers`). Kept out of model.py,
   more of the step's FLOPs.
 - selective: each layer keeps its inputs and the outputs of its matmuls and attention (SAVED), and recomputes only
   the rest (norms, rotary, SiLU x up, casts, DFlash 2's convolutions), keeping 38% of what no checkpointing keeps at
-  the Qwen3-8B and Qwen3.6-27B recipes' layers (dflash.plan.memory.selective_outputs counts it; tests/test_plan.py
+  the Qwen3-8B and Qwen3.6-27B recipes' layers (dflash.plan.memory.selective_outputs counts it; tests/plan/test_plan.py
   measures it on CPU). PyTorch's selective activation checkpointing (`create_selective_checkpoint_contexts`)
   replays the layer in backward and hands each saved op its output from forward instead of running it again.
   Its price is a Python dispatch mode over every op of the layers, forward and replay: on the 2-core CPU that made

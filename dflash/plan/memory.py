@@ -3,7 +3,7 @@ it (with the run's costs); training refuses up front a data.max_length whose ste
 (dflash.train.fit).
 
 The drafter's dimensions come from a build on the meta device (dflash.plan.configured.shape_of); activations are
-the tensors autograd saves, as model.py, blocks.py and loss.py make them; tests/test_plan.py checks the estimate against
+the tensors autograd saves, as model.py, blocks.py and loss.py make them; tests/plan/test_plan.py checks the estimate against
 measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
 - float32 parameters, gradients and AdamW moments; under bf16 autocast (train.mixed_precision auto/bf16,
   the GPU default) linear layers and attention compute in bfloat16, the rest in float32; the features
@@ -138,7 +138,7 @@ def sdpa_mask_bytes(s: Shape, u: Setup) -> int:
 
 DENSE_MASK_BYTES = {"full_attention": 3, "sliding_attention": 20}
 """Peak bytes per [query, key] entry of create_block_mask's dense build (CPU, torch 2.13, as TensorPeak
-counts; tests/test_plan.py measures it): what a flex mask cost to build before packed_block_mask."""
+counts; tests/plan/test_plan.py measures it): what a flex mask cost to build before packed_block_mask."""
 BUILD_BYTES = 16  # peak bytes per [query, key tile] entry of packed_block_mask's temporaries (4 x int32)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
     results.mkdir()
     earlier = results / f"{time.strftime('%Y-%m-%d')}-{_machine_tag(machine())}-gpu-check.json"
     earlier.write_text('{"checks": {}}')
-    names = ["tests.test_gpu_check:fake_autotunes", "tests.test_gpu_check:fake_pass"]
+    names = ["tests.bench.test_gpu_check:fake_autotunes", "tests.bench.test_gpu_check:fake_pass"]
     assert main(["--only", *names, "--results", str(results)]) == 0
     assert earlier.read_text() == '{"checks": {}}'
     report = json.loads(earlier.with_name(earlier.stem + "-2.json").read_text())
@@ -247,7 +247,7 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
         pytest.skip("the fake checks run one by one on CPU only")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.delenv("GPU_CHECK_INSTALL", raising=False)
-    names = [f"tests.test_gpu_check:{n}" for n in ("fake_pass", "fake_killed_mid_write", "fake_broken_partial",
+    names = [f"tests.bench.test_gpu_check:{n}" for n in ("fake_pass", "fake_killed_mid_write", "fake_broken_partial",
                                               "fake_pass_too")]
     report = run_all(names, 300, tmp_path / "results", run_plan(names))
     checks = report["checks"]
@@ -256,7 +256,7 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     killed, broken = checks[names[1]], checks[names[2]]
     assert killed["summary"].startswith("timed out after 8 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
     logs = tmp_path / "out" / "gpu-check-logs"
-    assert (logs / ".tests.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()  # killed inside the write
+    assert (logs / ".tests.bench.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()  # killed inside the write
     assert "partial.json unreadable (JSONDecodeError" in broken["summary"] and "skipped" in broken["summary"]
     [path] = (tmp_path / "results").glob("*-gpu-check.json")
     assert json.loads(path.read_text()) == json.loads(json.dumps(report, default=str))
@@ -271,10 +271,10 @@ def test_a_killed_run_leaves_the_checks_it_finished(tmp_path):
         pytest.skip("the fake checks run one by one on CPU only")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
     env.pop("GPU_CHECK_INSTALL", None)
-    names = ["tests.test_gpu_check:fake_pass", "tests.test_gpu_check:fake_sleeps"]
+    names = ["tests.bench.test_gpu_check:fake_pass", "tests.bench.test_gpu_check:fake_sleeps"]
     run = subprocess.Popen([sys.executable, "-m", "bench.gpu_checks", "--only", *names, "--results",
                             str(tmp_path / "results")], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-    partial = tmp_path / "out" / "gpu-check-logs" / "tests.test_gpu_check-fake_sleeps.partial.json"
+    partial = tmp_path / "out" / "gpu-check-logs" / "tests.bench.test_gpu_check-fake_sleeps.partial.json"
     deadline = time.time() + 120
     while not partial.exists() and time.time() < deadline and run.poll() is None:
         time.sleep(0.5)

@@ -265,7 +265,7 @@ def test_the_drafters_state_is_what_fit_counts():
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_fsdp_estimate_matches_a_measured_two_process_step(tmp_path, precision):
-    """The plan's FSDP peak against tests/plan_fsdp_probe.py's measured tensor peak of the loop's step on
+    """The plan's FSDP peak against tests/plan/fsdp_probe.py's measured tensor peak of the loop's step on
     each of 2 gloo processes, FSDP2 set up by accel.fsdp_plugin. Parameters dominate this shape, so counting
     the whole drafter gathered (the plan before) overshoots by 27% in float32."""
     import os
@@ -273,11 +273,11 @@ def test_fsdp_estimate_matches_a_measured_two_process_step(tmp_path, precision):
     import sys
 
     from tests.conftest import REPO
-    from tests.plan_fsdp_probe import ANCHORS, BLOCK, DIMS, LAYERS, LENGTH, N_TARGET
+    from tests.plan.fsdp_probe import ANCHORS, BLOCK, DIMS, LAYERS, LENGTH, N_TARGET
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(REPO / "tests/plan_fsdp_probe.py"), str(tmp_path), precision]
+           str(REPO / "tests/plan/fsdp_probe.py"), str(tmp_path), precision]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(REPO)}
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -318,7 +318,7 @@ TARGET_PARAMS = {"llama3_1_8b_instruct": (8.03, 8.03), "gemma4_31b_it": (30.70, 
 def test_plan_of_the_published_drafters_targets(experiment):
     """Each preset composes, builds its target and drafter on the meta device from the plan's TARGETS (no
     download) at the published drafter's shape, and gets a plan whose configured set-up fits 80 GB GPUs
-    (tests/test_plan_costs.py checks that it is the plan's recommendation and that the preset quotes it)."""
+    (tests/plan/test_costs.py checks that it is the plan's recommendation and that the preset quotes it)."""
     T, H, V, tied, layers, block, heads, kv, hd, mlp, sliding, window, ids = PUBLISHED[experiment]
     job = plan.compose([f"experiment={experiment}"])
     assert job["target"].num_layers == T and plan.target_config(job["target"]).num_hidden_layers == T

@@ -1,5 +1,5 @@
 """CUDA-only tests (marked gpu, run by bench/gpu_check.sh; skipped on CPU machines) and the FLOP formula
-the check's MFU figures use. The GPU check itself, run on a CPU machine: tests/test_gpu_check.py."""
+the check's MFU figures use. The GPU check itself, run on a CPU machine: tests/bench/test_gpu_check.py."""
 
 from pathlib import Path
 

@@ -1,6 +1,6 @@
-"""Peak tensor bytes of an FSDP2 training step on each process, on CPU (gloo), for tests/test_plan.py:
+"""Peak tensor bytes of an FSDP2 training step on each process, on CPU (gloo), for tests/plan/test_plan.py:
 
-    accelerate launch --multi_gpu --num_processes 2 ... tests/plan_fsdp_probe.py OUT_DIR no|bf16
+    accelerate launch --multi_gpu --num_processes 2 ... tests/plan/fsdp_probe.py OUT_DIR no|bf16
 
 The drafter is set up as dflash/train/accel.py and loop.py do (accelerate's FSDP2 plugin from
 accel.fsdp_plugin, forced on as tests/train/test_distributed.py's FSDP_ON_CPU does: accelerate makes DDP of
