@@ -523,7 +523,7 @@ def test_no_check_imports_wandb():
     collection of the gpu-marked tests, work with wandb unimportable."""
     code = (
         "import sys; sys.modules['wandb'] = None\n"
-        "import bench.gpu_checks, bench.gpu, bench.gpu_target, bench.gpu_runner, bench.plan, bench.run\n"
+        "import bench.gpu_checks, bench.gpu, bench.gpu_target, bench.gpu_runner, bench.run, dflash.plan\n"
         "import dflash.tracking, dflash.train.loop, dflash.evaluate.live, dflash.evaluate.decode\n"
         "import dflash.drafter.build, dflash.target.loading, dflash.target.builtin, dflash.train.optim\n"
         "import dflash.train.batches, tests.oracle\n"
