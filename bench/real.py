@@ -53,7 +53,7 @@ def _prompts(target, count: int, low: int = 150, high: int = 300) -> list[str]:
 
 def regeneration(dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
     from dflash.config import CompletionsConfig
-    from dflash.data.completions import by_length, generate_hf
+    from dflash.data.completions import by_length, generate_hf, left_padded
     from dflash.target import load_target
 
     target = load_target(compose_job("extract", [*RECIPE, f"target.dtype={dtype}"]).target, torch.device("cpu"))
@@ -69,7 +69,7 @@ def regeneration(dtype: str, quick: bool, new_tokens: int = NEW_TOKENS) -> dict:
     def theirs():
         made = 0
         for b in batches:
-            enc = _left_padded(tok, b)
+            enc = left_padded(tok, b)
             with torch.no_grad():
                 out = target.model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, eos_token_id=stops,
                                             pad_token_id=tok.pad_token_id)
@@ -140,19 +140,12 @@ def regeneration_served(vllm_python: str, dtype: str, quick: bool, new_tokens: i
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def _left_padded(tok, texts: list[str]):
-    """A batch left-padded, as generate_hf encodes one."""
-    side, tok.padding_side = tok.padding_side, "left"
-    try:
-        return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tok.padding_side = side
-
-
 def _model_parts(target, texts: list[str], new_tokens: int) -> tuple[float, float]:
     """(seconds of one batched prefill, median seconds of one batched decode step after it, halfway through
     new_tokens), with transformers' KV cache, as generate runs them."""
-    enc = _left_padded(target.tokenizer, texts)
+    from dflash.data.completions import left_padded
+
+    enc = left_padded(target.tokenizer, texts)
     model = target.model
     with torch.no_grad():
         t0 = time.perf_counter()

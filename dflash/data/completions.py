@@ -122,6 +122,16 @@ def merge_parts(path: Path) -> None:
         p.unlink()
 
 
+def left_padded(tok, texts: list[str]):
+    """`texts` (chat text, special tokens already in it) tokenized as one batch padded on the left, as `generate`
+    continues rows; the tokenizer's padding side is restored, even on an error."""
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tok.padding_side = side
+
+
 def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list[int]) -> list[dict]:
     """Completions from the in-process target, greedy or sampled (data.completions.temperature > 0, generator
     seeded by data.completions.seed and the batch's first prompt); left-padded batches.
@@ -132,11 +142,7 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
     from transformers import StoppingCriteriaList
 
     tok = target.tokenizer
-    side, tok.padding_side = tok.padding_side, "left"
-    try:
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
-    finally:
-        tok.padding_side = side
+    enc = left_padded(tok, texts).to(target.device)
     strings = StopStrings(tok, cfg.stop) if cfg.stop else None
     extra = {"stopping_criteria": StoppingCriteriaList([strings.criteria])} if strings is not None else {}
     if cfg.temperature > 0:  # HF applies temperature, then top-k, then top-p, as dflash.drafter.sampling does
