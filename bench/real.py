@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engines import compose_job
+from bench.engines import compose_job, vllm_serve_command
 from bench.measure import median, time_call
 
 NEW_TOKENS, BATCH, PROMPTS = 64, 32, 64
@@ -115,9 +115,7 @@ def regeneration_served(vllm_python: str, dtype: str, quick: bool, new_tokens: i
     target = load_target(job.target, torch.device("cpu"))
     texts = _prompts(target, BATCH if quick else PROMPTS)
     folder, port = str(Path(job.target.path).expanduser()), free_port()
-    cmd = [vllm_python, Path(__file__).parent / "engines" / "vllm_cli.py", "serve", folder, "--port", str(port),
-           "--dtype", dtype, "--max-model-len", "1024", "--enforce-eager", "--seed", "0",
-           "--gpu-memory-utilization", "0.15", "--max-num-seqs", str(BATCH)]
+    cmd = vllm_serve_command(vllm_python, folder, port, dtype, 1024, BATCH)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-served-"))
     eos = end_of_turn_id(target.tokenizer)
     try:

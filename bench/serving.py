@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.engines import REPO, compose_job, run
+from bench.engines import REPO, compose_job, run, vllm_serve_command
 from bench.engines.server import EngineError, free_port, served
 from bench.engines.vllm_check import CASES
 from dflash.io import unused_path
@@ -186,9 +186,7 @@ def sweep(args) -> dict:
     bench = (args.vllm_python, target)
     clean = engine_steps(*bench, None, k, concurrency, work, texts, args.output_len, args.temperatures)
     steps = engine_steps(*bench, export, k, concurrency, work, texts, args.output_len, args.temperatures)
-    serve = [args.vllm_python, REPO / "bench" / "engines" / "vllm_cli.py", "serve", target, "--port", "{port}",
-             "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-             "--gpu-memory-utilization", "0.15", "--max-num-seqs", str(max(max(concurrency), 8))]
+    serve = vllm_serve_command(args.vllm_python, target, "{port}", "float32", 512, max(max(concurrency), 8))
     spec = ["--speculative-config", json.dumps({"method": "dflash", "model": str(export), "num_speculative_tokens": k,
                                                 **SPEC_EXTRA})]
     runs = [(t, c) for t in args.temperatures for c in concurrency]

@@ -39,3 +39,12 @@ def run(cmd: list[str], log: Path, env: dict | None = None, check: bool = True) 
     if check and proc.returncode:
         raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}); see {log}")
     return proc.returncode
+
+
+def vllm_serve_command(vllm_python, model: str, port, dtype: str, max_model_len: int, max_num_seqs: int) -> list:
+    """`vllm serve model` as a user types it, run in the vLLM venv through vllm_cli.py (the CPU wheel's `vllm` script
+    cannot start): eager (nothing compiled), seeded, 15% of the memory reserved (the CPU build's share),
+    `max_num_seqs` requests at once. `port` may be a placeholder the caller fills in."""
+    return [vllm_python, REPO / "bench" / "engines" / "vllm_cli.py", "serve", model, "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
+            "--gpu-memory-utilization", "0.15", "--max-num-seqs", str(max_num_seqs)]
