@@ -112,7 +112,8 @@ def regeneration_served(vllm_python: str, dtype: str, quick: bool, new_tokens: i
     from dflash.target import load_target
 
     job = compose_job("extract", [*RECIPE, f"target.dtype={dtype}"])
-    target = load_target(job.target, torch.device("cpu"))
+    # the tokenizer (prompts, the end-of-turn id) and the dequantized folder vLLM serves; the model is vLLM's to load
+    target = load_target(job.target, torch.device("cpu"), heads_only=True)
     texts = _prompts(target, BATCH if quick else PROMPTS)
     folder, port = str(Path(job.target.path).expanduser()), free_port()
     cmd = vllm_serve_command(vllm_python, folder, port, dtype, 1024, BATCH)
