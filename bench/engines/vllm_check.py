@@ -159,6 +159,17 @@ def capped(accepted: list[int], output: list[int]) -> list[int]:
     return out
 
 
+def served_taus(answer: dict) -> list[list[int]]:
+    """Each prompt's tokens per verify step as vLLM served it (accepted drafts + 1, capped at what the output kept),
+    comparable with our live evaluation's taus."""
+    return [[a + 1 for a in capped(acc, out)] for acc, out in zip(answer["accepted"], answer["outputs"])]
+
+
+def mean_tau(taus: list[list[int]]) -> float:
+    """Tokens per verify step over every step of every prompt."""
+    return sum(map(sum, taus)) / max(1, sum(map(len, taus)))
+
+
 def attention_checks(export: Path, answer: dict) -> list[str]:
     """Where vLLM reads our export's attention keys differently from us; empty when it reads them all alike."""
     from types import SimpleNamespace
@@ -228,20 +239,17 @@ def check_case(case: Case, vllm_python: str, work: Path, broken: str | None, exp
             continue
         ours = [taus[n] for n in names]
         held = alone or answer  # the serving whose acceptance is compared with ours
-        theirs = [[a + 1 for a in capped(acc, out)] for acc, out in zip(held["accepted"], held["outputs"])]
+        theirs = served_taus(held)
         attention = attention_checks(export, answer)
         if alone is not None:
-            batched = [[a + 1 for a in capped(acc, out)] for acc, out in zip(answer["accepted"], answer["outputs"])]
+            batched = served_taus(answer)
             entry.update(acceptance_from="alone", batched_lossless=answer["outputs"] == plain["outputs"],
                          batched_acceptance_mismatches=[n for n, a, b in zip(names, ours, batched) if a != b],
-                         batched_vllm_tau=sum(map(sum, batched)) / max(1, sum(map(len, batched))),
-                         batched_generate_s=answer["generate_s"])
+                         batched_vllm_tau=mean_tau(batched), batched_generate_s=answer["generate_s"])
         entry.update(
             served=True, lossless=all(a["outputs"] == plain["outputs"] for a in (answer, held)),
             acceptance_equal=ours == theirs, attention_read_alike=not attention, attention_problems=attention,
-            our_tau=sum(map(sum, ours)) / max(1, sum(map(len, ours))),
-            vllm_tau=sum(map(sum, theirs)) / max(1, sum(map(len, theirs))),
-            vllm_raw_accepted=held["accepted"], our_taus=ours,
+            our_tau=mean_tau(ours), vllm_tau=mean_tau(theirs), vllm_raw_accepted=held["accepted"], our_taus=ours,
             acceptance_mismatches=[n for n, a, b in zip(names, ours, theirs) if a != b],
             draft_layers=answer["draft_layers"], generate_s=held["generate_s"])
         entry["ok"] = entry["lossless"] and entry["acceptance_equal"] and entry["attention_read_alike"]
