@@ -200,6 +200,6 @@ def compiled_layers(budget: float) -> dict:
     """CUDA only: measure_compiled at the Qwen3.6-27B preset, judged by compiled_verdict."""
     if not torch.cuda.is_available():
         return {"status": "SKIP", "summary": "needs CUDA (the Qwen3.6-27B drafter's step eager and with compiled "
-                                             "layers; tests/bench/test_gpu_layers.py runs the same code on CPU at a tiny "
-                                             "size)"}
+                                             "layers; tests/bench/test_gpu_layers.py runs the same code on CPU at a "
+                                             "tiny size)"}
     return compiled_verdict(measure_compiled(torch.device("cuda")))

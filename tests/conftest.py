@@ -18,8 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs 2 workers on 2 cores
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-LAUNCHING = {"tests/data/test_cache.py", "tests/target/test_sharding.py", "tests/test_dist.py", "tests/plan/test_plan.py",
-             "tests/train/test_distributed.py", "tests/train/test_step_losses.py"}
+LAUNCHING = {"tests/data/test_cache.py", "tests/target/test_sharding.py", "tests/test_dist.py",
+             "tests/plan/test_plan.py", "tests/train/test_distributed.py", "tests/train/test_step_losses.py"}
 """Modules with tests that launch several processes (accelerate launch, torchrun: both on the launcher's default
 port, 29500)."""
 

@@ -3,8 +3,8 @@ it (with the run's costs); training refuses up front a data.max_length whose ste
 (dflash.train.fit).
 
 The drafter's dimensions come from a build on the meta device (dflash.plan.configured.shape_of); activations are
-the tensors autograd saves, as model.py, blocks.py and loss.py make them; tests/plan/test_plan.py checks the estimate against
-measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
+the tensors autograd saves, as model.py, blocks.py and loss.py make them; tests/plan/test_plan.py checks the estimate
+against measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
 - float32 parameters, gradients and AdamW moments; under bf16 autocast (train.mixed_precision auto/bf16,
   the GPU default) linear layers and attention compute in bfloat16, the rest in float32; the features
   arrive on the device in their stored dtype and are upcast there, so the residual stream is float32;

@@ -256,7 +256,8 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     killed, broken = checks[names[1]], checks[names[2]]
     assert killed["summary"].startswith("timed out after 8 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
     logs = tmp_path / "out" / "gpu-check-logs"
-    assert (logs / ".tests.bench.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()  # killed inside the write
+    # killed inside the write
+    assert (logs / ".tests.bench.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()
     assert "partial.json unreadable (JSONDecodeError" in broken["summary"] and "skipped" in broken["summary"]
     [path] = (tmp_path / "results").glob("*-gpu-check.json")
     assert json.loads(path.read_text()) == json.loads(json.dumps(report, default=str))

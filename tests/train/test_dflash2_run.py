@@ -320,8 +320,9 @@ def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workd
 def test_a_dflash2_run_under_bf16_autocast_evaluates_in_run(tmp_path):
     """train.mixed_precision=bf16 on a bf16 target: accelerate's autocast wrapper makes the drafter's forward return
     float32, and the in-run evaluation's bf16 selector refused it (a dtype error at step 0 of SmolLM2's DFlash 2
-    run). The served copy evaluated in-run now runs its own forward, as evaluate.py does. In a process of its own: accelerate's state,
-    once made without mixed precision by another test, refuses bf16 for the rest of the process."""
+    run). The served copy evaluated in-run now runs its own forward, as evaluate.py does. In a process of its own:
+    accelerate's state, once made without mixed precision by another test, refuses bf16 for the rest of the
+    process."""
     import os
     import subprocess
     import sys
