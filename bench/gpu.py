@@ -180,7 +180,7 @@ def flex_lengths(lengths: list[int], num_anchors: int, budget_s: float, device, 
     still tried (a length of a compiled shape costs no compile). Per length: step time, tokens/s,
     TFLOP/s, MFU, peak memory, the first step's time, and dynamo's graphs and recompiles in the first
     step and in the timed steps after it. on_length(out) after each length (partial results)."""
-    import dflash.drafter.model as model_module
+    from dflash.drafter import attention
 
     drafter, embed, head = make_drafter(dims, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
@@ -225,7 +225,7 @@ def flex_lengths(lengths: list[int], num_anchors: int, budget_s: float, device, 
         out["recompile_limit_hits"] = watch.hits
         out["recompile_reasons"] = watch.recompiles[:10]
         out["compiles"] = {"dynamo_graphs": watch.mark()["graphs"], "dynamo_recompiles": len(watch.recompiles),
-                           "flex_compile_count": model_module.flex_compile_count()}
+                           "flex_compile_count": attention.flex_compile_count()}
     out["shape"] = (f"drafter 5 layers at {dims['hidden_size']} hidden, vocab {dims['vocab_size']}, B={BLOCK}, "
                     f"{num_anchors} anchors, bf16 autocast, AdamW, {backend} attention; MFU = model FLOPs (visible "
                     f"attention pairs only) / bf16 peak")

@@ -54,11 +54,13 @@ class CheckpointLayout:
 
     DRAFTER_FILES = ("config.json", "model.safetensors")
     """What a drafter needs to load (in any z-lab-layout folder, published drafters included)."""
-    SERVING_FILES = ("modeling_dflash.py", "dflash2.py")
+    SERVING_FILES = ("modeling_dflash.py", "dflash2.py", "attention.py")
     """What dflash adds so AutoModel(trust_remote_code=True) builds the drafter (auto_map in config.json): the
-    drafter module and the DFlash 2 parts it imports."""
-    LATER_FILES = ("dflash2.py",)
-    """Written since DFlash 2: checkpoints from before it resume and evaluate without it."""
+    drafter module and the DFlash 2 parts and the attention it imports."""
+    LATER_FILES = ("dflash2.py", "attention.py")
+    """Written since the drafter module imports them (dflash2.py since DFlash 2, attention.py since the attention
+    left the model file): checkpoints from before resume and evaluate without them (their modeling_dflash.py holds
+    what it needs)."""
     STATE_FILES = ("state.json", "weights_fp32.safetensors")
     """dflash's own train_state/ files: the loop state (step, best tau, world size, format) and EXACT_WEIGHTS."""
     EXACT_WEIGHTS = "weights_fp32.safetensors"

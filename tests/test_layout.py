@@ -29,8 +29,9 @@ def test_checkpoint_paths_and_files():
     assert ckpt.train_state == Path("/c/step-000020/train_state")
     assert ckpt.state == ckpt.state_file("state.json") == Path("/c/step-000020/train_state/state.json")
     assert ckpt.manifest == Path("/c/step-000020/train_state/manifest.json")
-    assert ckpt.files() == {"config.json", "model.safetensors", "modeling_dflash.py", "dflash2.py", "train_state/state.json",
-                            "train_state/weights_fp32.safetensors", "train_state/manifest.json",
+    assert ckpt.files() == {"config.json", "model.safetensors", "modeling_dflash.py", "dflash2.py", "attention.py",
+                            "train_state/state.json", "train_state/weights_fp32.safetensors",
+                            "train_state/manifest.json",
                             "train_state/optimizer.bin", "train_state/scheduler.bin", "train_state/random_states_0.pkl"}
     assert ckpt.files(with_manifest=False) == ckpt.files() - {"train_state/manifest.json"}
     # one RNG file per process; under FSDP also accelerate's gathered model

@@ -174,7 +174,7 @@ def attention_checks(export: Path, answer: dict) -> list[str]:
     """Where vLLM reads our export's attention keys differently from us; empty when it reads them all alike."""
     from types import SimpleNamespace
 
-    from dflash.drafter.model import attention_rules
+    from dflash.drafter.attention import attention_rules
 
     ours = json.loads((export / "config.json").read_text())
     rules = attention_rules(SimpleNamespace(**ours))

@@ -220,7 +220,7 @@ def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None
     """Masks for the packed forward, one per kind of layer: a ChunkedMask (sdpa: dflash.drafter.packed_attention)
     or a BlockMask (flex).
 
-    kinds: the layers' attention rules (dflash.drafter.model.AttentionRule: causal, window; `window` unused), or
+    kinds: the layers' attention rules (dflash.drafter.attention.AttentionRule: causal, window; `window` unused), or
     their layer types (full_attention; sliding_attention: causal with `window`). Keyed as given."""
     B, L = blocks.block_size, blocks.ctx_len
     masks = {}

@@ -1,6 +1,6 @@
 """Build a drafter for a target from the typed config (its config.json sized after the target: `drafter_config`),
 save and load it in z-lab layout, and check that a drafter fits a target. model.py keeps what an exported
-checkpoint runs; the config side is here."""
+checkpoint runs (with attention.py and dflash2.py, which it imports); the config side is here."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash.config import DrafterConfig, LayersConfig
-from dflash.drafter import dflash2
+from dflash.drafter import attention, dflash2
+from dflash.drafter.attention import FULL, SLIDING_RULE, AttentionRule, attention_keys
 from dflash.drafter.dflash2 import DFLASH2_KEYS
-from dflash.drafter.model import (FULL, SCALE_KEYS, SLIDING_RULE, AttentionRule, DFlash2DraftModel,
-                                  DFlashDraftModel, Scales, attention_keys, is_dflash2)
+from dflash.drafter.model import SCALE_KEYS, DFlash2DraftModel, DFlashDraftModel, Scales, is_dflash2
 from dflash.drafter.selector_loss import served_weights
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.io import read_json, write_json
@@ -334,7 +334,7 @@ def load_trained(path: str, weights: dict | None = None) -> DFlashDraftModel:
 
 
 MODELING_FILE = "modeling_dflash.py"
-DFLASH2_FILE = "dflash2.py"
+IMPORTED_FILES = {"dflash2.py": dflash2, "attention.py": attention}  # what the model file imports (relative)
 
 
 def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | None = None,
@@ -359,7 +359,8 @@ def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | Non
     drafter.config.auto_map = {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{name}"}
     drafter.save_pretrained(folder, state_dict=state_dict)
     shutil.copyfile(inspect.getsourcefile(DFlashDraftModel), folder / MODELING_FILE)  # pure: torch + transformers
-    shutil.copyfile(inspect.getsourcefile(dflash2), folder / DFLASH2_FILE)  # the model file imports it (relative)
+    for file, module in IMPORTED_FILES.items():
+        shutil.copyfile(inspect.getsourcefile(module), folder / file)
     config = read_json(folder / "config.json")
     config["architectures"] = [name]  # save_pretrained writes the Python class's name
     rope = dict(config.get("rope_parameters") or {})

@@ -21,9 +21,9 @@ import torch
 
 from dflash.config import JobConfig
 from dflash.drafter.build import check_fits, load_drafter
-from dflash.drafter.model import flex_compile_count
+from dflash.drafter.attention import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
-from dflash.evaluate import heldout, suites
+from dflash.evaluate import heldout, suite_results, suites
 from dflash.evaluate.plots import save_plots
 from dflash.evaluate.settings import evaluation_folder, figure_settings, job_config, reference_settings
 from dflash.evaluate.slices import slicers
@@ -301,20 +301,21 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
         for label, (p, drafter) in drafters.items():
             records, summary = score(bjob, label, p, drafter, target, dist, extra["provenance_allowed"])
             if summary.get("mode") == "live":
-                summary["per_prompt"] = suites.live_per_prompt(records)
+                summary["per_prompt"] = suite_results.live_per_prompt(records)
             write_outputs(outs[label] / bench, records, summary, {**own[label], "benchmark": bench,
                                                                   "prompts": bjob.eval.prompts})
             per[label][bench] = summary
         if job.eval.plots:
             save_plots(outs[first] / bench, {label: per[label][bench] for label in drafters})
     block_size = drafters[first][1].block_size
-    refs = [{**r, "differs": suites.setting_differences(r, job, block_size)} for r in suites.load_references(job.eval.references)]
+    refs = [{**r, "differs": suite_results.setting_differences(r, job, block_size)}
+            for r in suite_results.load_references(job.eval.references)]
     results = {}
     for label in drafters:
-        result = suites.combine(job.eval.suite, per[label], job.eval.protocol)
+        result = suite_results.combine(job.eval.suite, per[label], job.eval.protocol)
         result["references"] = reference_rows(refs, result["benchmarks"])
         if label == first and step is not None and job.eval.mode != "live":
-            result["metrics"].update(train_gap(run, step, suites.mean_metrics(result)))
+            result["metrics"].update(train_gap(run, step, suite_results.mean_metrics(result)))
         write_json(outs[label] / "summary.json", {**result, **own[label]})
         results[label] = result
     print_suite(results, job.eval.mode)

@@ -206,7 +206,7 @@ def print_table(rows: list[list], header: list[str], out=None) -> None:
 def reference_rows(references: list[dict], benchmarks: list[str]) -> list[dict]:
     """Published figures for a suite: each reference's tau on this suite's benchmarks, the mean over those it
     has (`covers` of them; a paper-style mean only when it covers all), its source and where its settings
-    differ from this evaluation (`differs`, from dflash.evaluate.suites.setting_differences)."""
+    differ from this evaluation (`differs`, from dflash.evaluate.suite_results.setting_differences)."""
     rows = []
     for ref in references:
         tau = {b: float(v) for b, v in (ref.get("tau") or {}).items() if b in benchmarks}
@@ -221,7 +221,7 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
     worst prompts by tau, and the train/eval gap on the suite mean. The first tau column is the protocol's
     headline, the one references sit in: tau_macro (live: of live_tau_macro) when it averages over requests, then
     the pooled tau beside it; tau alone when it pools blocks."""
-    from dflash.evaluate.suites import mean_metrics
+    from dflash.evaluate.suite_results import mean_metrics
 
     out = out or sys.stdout
     first = next(iter(suites.values()))

@@ -1,16 +1,26 @@
 """Built-in targets: tiny random-weight models for tests, and the trained toy target.
 
 Each is written with `save_pretrained` into a directory and then loaded through the same
-`from_pretrained` path as a real model, so tests exercise the real loading code.
+`from_pretrained` path as a real model, so tests exercise the real loading code. A run builds
+one into target.path on first use (`ensure_built`, called as the target's config is read).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+from dflash.config import TargetConfig
+from dflash.errors import NotFoundError
 from dflash.layout import home
+
+log = logging.getLogger(__name__)
 
 TINY_SEED = 1234
 
@@ -162,7 +172,6 @@ def is_current(name: str, dest: Path) -> bool:
 def build(name: str, dest: Path) -> None:
     """Write target `name` (toy, or one of TINY) into the empty directory `dest`."""
     if name == "toy":
-        from dflash.errors import NotFoundError
         from dflash.target.toy import SHIPPED, install_shipped
 
         if not install_shipped(dest):  # a build from scratch would be the first of its recorded stages only
@@ -188,3 +197,72 @@ def build(name: str, dest: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+
+
+def ensure_built(cfg: TargetConfig) -> None:
+    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine).
+    A toy target installed by an earlier dflash, whose shipped toy target has changed since, is replaced;
+    a toy target built by someone at their own path (`python -m dflash.target.toy build --out DIR`,
+    then target.path=DIR) is theirs: used as it is, never replaced."""
+    dest = Path(cfg.path).expanduser()
+    if cfg.build is None or is_current(cfg.build, dest):
+        return
+    if (dest / "config.json").exists() and not installed_by_dflash(cfg.build, dest):
+        _warn_own_build(dest, cfg.build)
+        return
+    if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
+        _wait_for_build(dest, cfg.build)
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    if (dest / "config.json").exists():
+        log.warning("%s holds an earlier build of target %s than this dflash ships; replacing it (feature "
+                    "caches are keyed by the target, so none made with the old one is reused)", dest, cfg.build)
+    else:
+        log.info("building target %s into %s", cfg.build, dest)
+    try:
+        build(cfg.build, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / INSTALL_MARK).write_text(f"installed by dflash as target {cfg.build}; replaced when dflash ships "
+                                    f"another build of it\n")
+    aside = None
+    if dest.exists():  # the earlier build: set aside, then removed once the new one is in place
+        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+        try:
+            dest.rename(aside / dest.name)
+        except OSError:  # another process moved it first
+            pass
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_own_build(dest: Path, name: str) -> None:
+    """Once per folder and process (a run loads the target more than once)."""
+    log.warning("target.path=%s holds a model dflash did not install: target.build=%s applies to dflash's own "
+                "folders only, so it is loaded as it is (set target.build=null to say so)", dest, name)
+
+
+def _distributed_rank() -> int:
+    import torch.distributed as td
+
+    return td.get_rank() if td.is_available() and td.is_initialized() else 0
+
+
+BUILD_WAIT_S = 1800
+
+
+def _wait_for_build(dest: Path, name: str) -> None:
+    deadline = time.time() + BUILD_WAIT_S
+    while not is_current(name, dest):
+        if time.time() > deadline:
+            raise NotFoundError(f"waited {BUILD_WAIT_S} s for process 0 to build the target into {dest}; check "
+                                f"its log, or build it once before launching (one process: python train.py "
+                                f"train.max_steps=1 with the same target)")
+        time.sleep(1)

@@ -1,17 +1,15 @@
 """Loading the target: the model (or just its heads), its tokenizer, device, dtype and kernels.
 
 Every path that needs the target (extraction, online training, evaluation, live decoding)
-loads it here, so the model class, dtype, device and kernel backend are chosen one way.
+loads it here, so the model class, dtype, device and kernel backend are chosen one way. The
+heads alone are read from the weight files by dflash.target.weights; a built-in target is
+built on first use by dflash.target.builtin.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +18,14 @@ from torch import nn
 
 from dflash.config import TargetConfig
 from dflash.errors import ConfigError, NotFoundError, TargetError
+from dflash.target.builtin import ensure_built
 from dflash.target.gguf import check_memory, ensure_dequantized, record as gguf_record
 from dflash.target.identity import kernel_backend, kernel_report, weights_fingerprint
 from dflash.target.mask import OWN_MODEL, check_mask_token
-from dflash.target.quantization import check_heads, declared, loading_kwargs, record
+from dflash.target.quantization import declared, loading_kwargs, record
 from dflash.target.scales import IDENTITY, target_scales
 from dflash.target.sharding import full_copy, load_sharded
+from dflash.target.weights import load_heads, weights_elements
 
 log = logging.getLogger(__name__)
 
@@ -136,80 +136,6 @@ def _find_final_norm(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
     raise ValueError(f"could not find the final norm of {type(model).__name__}")
 
 
-def ensure_built(cfg: TargetConfig) -> None:
-    """Build a built-in target into cfg.path on first use (atomically; concurrent builders are fine).
-    A toy target installed by an earlier dflash, whose shipped toy target has changed since, is replaced;
-    a toy target built by someone at their own path (`python -m dflash.target.toy build --out DIR`,
-    then target.path=DIR) is theirs: used as it is, never replaced."""
-    from dflash.target.builtin import INSTALL_MARK, installed_by_dflash, is_current
-    from dflash.target.builtin import build as build_builtin
-
-    dest = Path(cfg.path).expanduser()
-    if cfg.build is None or is_current(cfg.build, dest):
-        return
-    if (dest / "config.json").exists() and not installed_by_dflash(cfg.build, dest):
-        _warn_own_build(dest, cfg.build)
-        return
-    if _distributed_rank() != 0:  # transformers' save_pretrained writes on rank 0 only: rank 0 builds it
-        _wait_for_build(dest, cfg.build)
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    if (dest / "config.json").exists():
-        log.warning("%s holds an earlier build of target %s than this dflash ships; replacing it (feature "
-                    "caches are keyed by the target, so none made with the old one is reused)", dest, cfg.build)
-    else:
-        log.info("building target %s into %s", cfg.build, dest)
-    try:
-        build_builtin(cfg.build, tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / INSTALL_MARK).write_text(f"installed by dflash as target {cfg.build}; replaced when dflash ships "
-                                    f"another build of it\n")
-    aside = None
-    if dest.exists():  # the earlier build: set aside, then removed once the new one is in place
-        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
-        try:
-            dest.rename(aside / dest.name)
-        except OSError:  # another process moved it first
-            pass
-    try:
-        tmp.rename(dest)
-    except OSError:  # another process finished first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_own_build(dest: Path, name: str) -> None:
-    """Once per folder and process (a run loads the target more than once)."""
-    log.warning("target.path=%s holds a model dflash did not install: target.build=%s applies to dflash's own "
-                "folders only, so it is loaded as it is (set target.build=null to say so)", dest, name)
-
-
-def _distributed_rank() -> int:
-    import torch.distributed as td
-
-    return td.get_rank() if td.is_available() and td.is_initialized() else 0
-
-
-BUILD_WAIT_S = 1800
-
-
-def _wait_for_build(dest: Path, name: str) -> None:
-    from dflash.target.builtin import is_current
-
-    deadline = time.time() + BUILD_WAIT_S
-    while not is_current(name, dest):
-        if time.time() > deadline:
-            raise NotFoundError(f"waited {BUILD_WAIT_S} s for process 0 to build the target into {dest}; check "
-                                f"its log, or build it once before launching (one process: python train.py "
-                                f"train.max_steps=1 with the same target)")
-        time.sleep(1)
-
-
 def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_only: bool = False) -> Target:
     """Load the target frozen in eval mode, on `device` (default: from cfg.device).
 
@@ -230,7 +156,7 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     quantized = declared(hf_config)
     if heads_only and model_dir is not None:
         model, layers, norm = None, None, None
-        embed, head = _load_heads(model_dir, text_config, dtype, device)
+        embed, head = load_heads(model_dir, text_config, dtype, device)
         kernels, scales = {}, target_scales(text_config)
     else:
         tp, sharding = None, {"tensor_parallel": 1, "expert_parallel": 1, "device_map": cfg.device_map}
@@ -268,19 +194,6 @@ def load_target(cfg: TargetConfig, device: torch.device | None = None, heads_onl
     log.info("target %s: %d layers, hidden %d, %s on %s%s", cfg.name, target.num_layers, target.hidden_size,
              cfg.dtype, device, f", kernels {kernel_backend(kernels)}" if kernels else " (heads only)")
     return target
-
-
-def weights_elements(model_dir: Path) -> int:
-    """The number of stored weight values in a folder's safetensors files, from their headers alone."""
-    import json
-    import math
-
-    total = 0
-    for f in model_dir.glob("*.safetensors"):
-        with f.open("rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
 
 
 def _generation_config(model, path: str):
@@ -354,46 +267,6 @@ def _load_model(path: str, cfg: TargetConfig, dtype: torch.dtype, common: dict, 
     extra = loading_kwargs(quantized, placement, cfg.name, path) if quantized else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation,
                                                 device_map=placement, use_kernels=False, **common, **extra)
-
-
-def _load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.device):
-    """embed_tokens and lm_head straight from the safetensors files (tied heads share one tensor); a head stored
-    quantized is refused (dflash.target.quantization.check_heads)."""
-    from safetensors import safe_open
-
-    check_heads(model_dir)
-    found: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                if name.startswith(("mtp.", "model.visual.", "visual.")):
-                    continue
-                for kind, suffix in (("embed", "embed_tokens.weight"), ("head", "lm_head.weight")):
-                    if name.endswith(suffix) and kind not in found:
-                        found[kind] = fh.get_tensor(name)
-    if "embed" not in found:
-        raise ValueError(f"no embed_tokens weight found in {model_dir}/*.safetensors")
-    if "head" not in found and not _tied_heads(model_dir, text_config):
-        # only a tied checkpoint leaves lm_head out; reusing embed_tokens here would train on the wrong logits
-        raise TargetError(f"{model_dir} is not tied (tie_word_embeddings false) but its *.safetensors hold no "
-                          f"lm_head.weight tensor; the checkpoint is incomplete: download it again, or set "
-                          f"tie_word_embeddings true in its config.json if its head really is embed_tokens")
-    head_w = found.get("head", found["embed"])
-    embed = nn.Embedding.from_pretrained(found["embed"].to(dtype), freeze=True).to(device)
-    head = nn.Linear(text_config.hidden_size, head_w.shape[0], bias=False, dtype=dtype)
-    head.weight = nn.Parameter(head_w.to(dtype), requires_grad=False)
-    return embed, head.to(device)
-
-
-def _tied_heads(model_dir: Path, text_config) -> bool:
-    """Whether the checkpoint ties lm_head to embed_tokens: its text config says so, or (a composite such as
-    Qwen3_5ForConditionalGeneration, whose top-level flag is the one transformers ties by) its config.json."""
-    from dflash.io import read_json
-
-    top = model_dir / "config.json"
-    return bool(getattr(text_config, "tie_word_embeddings", False)
-                or (top.exists() and read_json(top).get("tie_word_embeddings", False)))
-
 
 
 def local_model_dir(path: str, revision: str | None = None) -> Path | None:

@@ -23,7 +23,7 @@ from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.build import build_drafter, check_conv_kernel, load_trained, use_conv_kernel
-from dflash.drafter.model import flex_compile_count
+from dflash.drafter.attention import flex_compile_count
 from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector
 from dflash.errors import CheckpointError, ConfigError, TrainingError

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from dflash.drafter.build import drafter_config
-from dflash.drafter.model import AttentionRule, DFlashDraftModel, attention_rules
+from dflash.drafter.attention import AttentionRule, attention_rules
+from dflash.drafter.model import DFlashDraftModel
 from tests.drafter.test_model import TARGET
 from tests.zlab import reference
 

@@ -139,12 +139,12 @@ def test_compiled_flex_forward_compiles_once_per_bucket_over_varying_batches(cap
 
     from torch._dynamo.utils import counters
 
-    from dflash.drafter import model as drafter_model
+    from dflash.drafter import attention
     from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE as M
     from dflash.drafter.blocks import flex_padded_shape
 
     torch._dynamo.reset()
-    drafter_model._flex_shapes.clear()
+    attention._flex_shapes.clear()
     drafter = make_drafter(["sliding_attention", "full_attention"], 6).eval()
     embed = torch.nn.Embedding(300, 64)
     g = torch.Generator().manual_seed(0)
@@ -165,7 +165,7 @@ def test_compiled_flex_forward_compiles_once_per_bucket_over_varying_batches(cap
             assert (dense - flex).abs().max() < 1e-5, L
     kinds = 2  # sliding and full attention layers
     assert len(buckets) == 2 and len(set(lengths)) > 20
-    assert drafter_model.flex_compile_count() == len(buckets) * kinds
+    assert attention.flex_compile_count() == len(buckets) * kinds
     assert 0 < counters["stats"]["unique_graphs"] - graphs_before <= len(buckets) * kinds
     fallback = [str(w.message) for w in caught if "limit" in str(w.message)]
     fallback += [r.getMessage() for r in caplog.records if "limit" in r.getMessage()]
@@ -222,7 +222,7 @@ def test_packed_gradients_equal_the_one_block_gradients(monkeypatch):
 def test_flex_gets_one_dtype_under_autocast(monkeypatch):
     """Autocast casts sdpa's inputs but not flex's: q/k leave the float32-weighted norms in float32 while v
     is bf16, which flex on CUDA refuses; the flex path casts all three to the autocast dtype."""
-    from dflash.drafter import model as drafter_model
+    from dflash.drafter import attention
 
     seen = []
 

@@ -58,7 +58,7 @@ def test_a_fine_tune_of_a_published_drafter_is_stamped_with_the_served_sliding_r
 
     from dflash.config import DrafterConfig, LayersConfig
     from dflash.drafter.build import build_drafter
-    from dflash.drafter.model import SLIDING_RULE
+    from dflash.drafter.attention import SLIDING_RULE
 
     published = tmp_path / "published"
     make_drafter(["sliding_attention", "full_attention"], 6).save_pretrained(published)

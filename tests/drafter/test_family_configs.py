@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from dflash.drafter.build import load_drafter, save_drafter
 from dflash.drafter.build import drafter_config
-from dflash.drafter.model import AttentionRule, DFlashDraftModel, Scales
+from dflash.drafter.attention import AttentionRule
+from dflash.drafter.model import DFlashDraftModel, Scales
 from dflash.target.builtin import TINY
 from tests.drafter.test_model import inputs
 from tests.zlab import reference

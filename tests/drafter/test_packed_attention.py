@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter.blocks import make_mask_mod, pack_blocks, packed_attention_masks
-from dflash.drafter.model import AttentionRule
+from dflash.drafter.attention import AttentionRule
 
 B, H, HKV, D = 4, 4, 2, 8
 

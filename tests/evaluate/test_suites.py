@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dflash.errors import ConfigError, DataError, NotFoundError
-from dflash.evaluate import suites
+from dflash.evaluate import suite_results, suites
 from tests.conftest import compose
 
 
@@ -111,15 +111,15 @@ def test_the_suite_mean_weighs_each_benchmark_the_same():
         return {"metrics": {"eval/tau": taus, "eval/acc@1": 0.5, "eval/blocks": n, "eval/prompts": 1},
                 "per_prompt": {f"p{n}": {"tau": taus, "blocks": n}}, "tau_histogram": [n, 0],
                 "block_size": 2, "ddtree_budgets": []}
-    s = suites.combine("paper", {"a": summary(2.0, 100), "b": summary(4.0, 1)})
+    s = suite_results.combine("paper", {"a": summary(2.0, 100), "b": summary(4.0, 1)})
     assert s["metrics"]["eval/mean/tau"] == 3.0 and s["metrics"]["eval/a/blocks"] == 100
     assert "eval/mean/blocks" not in s["metrics"] and s["metrics"]["eval/mean/benchmarks"] == 2
     assert [p["benchmark"] for p in s["prompts"]] == ["b", "a"] and s["tau_histogram"] == [101, 0]
-    assert suites.mean_metrics(s)["eval/tau"] == 3.0
+    assert suite_results.mean_metrics(s)["eval/tau"] == 3.0
 
 
 def test_references_load_and_mark_settings_that_differ(tmp_path):
-    shipped = suites.load_references("dflash_paper")
+    shipped = suite_results.load_references("dflash_paper")
     assert {r["name"] for r in shipped} >= {"z-lab Qwen3-8B-DFlash-b16", "z-lab Qwen3-4B-DFlash-b16"}
     assert all(r["source"] and len(r["tau"]) == 9 and r["temperature"] in (0, 1) for r in shipped)
     assert next(r for r in shipped if "8B" in r["name"])["tau"]["gsm8k"] == 6.55  # the README's table, as read
@@ -128,20 +128,21 @@ def test_references_load_and_mark_settings_that_differ(tmp_path):
     path = tmp_path / "refs.yaml"
     path.write_text("references:\n  - {name: ref, source: model card, target: Qwen/Qwen3-8B, thinking: false, "
                     "block_size: 16, tau: {gsm8k: 6.0}}\n")
-    [ref] = suites.load_references(str(path))
+    [ref] = suite_results.load_references(str(path))
     j = compose("evaluate", ["debug=tiny", "eval.thinking=false"])
-    assert suites.setting_differences(ref, j, 16) == ["target Qwen/Qwen3-8B (ours " + j.target.path + ")"]
-    differs = suites.setting_differences({**ref, "target": j.target.name, "thinking": True, "temperature": 1.0}, j, 8)
+    assert suite_results.setting_differences(ref, j, 16) == ["target Qwen/Qwen3-8B (ours " + j.target.path + ")"]
+    differs = suite_results.setting_differences({**ref, "target": j.target.name, "thinking": True,
+                                                 "temperature": 1.0}, j, 8)
     assert differs == ["thinking on (ours off)", "block size 16 (ours 8)", "temperature 1.0 (ours 0.0)"]
     sampled = compose("evaluate", ["debug=tiny", "eval.temperature=1.0", "eval.top_p=0.9",
                                    "eval.protocol=zlab_bb48ef9"])
-    assert suites.setting_differences({**hot, "target": j.target.name}, sampled, 16) == [
+    assert suite_results.setting_differences({**hot, "target": j.target.name}, sampled, 16) == [
         "top-p 1.0 (ours 0.9)", "verifier exact_match (ours rejection)"]  # a sampled reference: how it sampled
     path.write_text("references:\n  - {name: ref, source: x, tau: {gsm9k: 1.0}}\n")
     with pytest.raises(DataError, match="unknown benchmark"):
-        suites.load_references(str(path))
+        suite_results.load_references(str(path))
     with pytest.raises(NotFoundError, match="dflash_paper"):
-        suites.load_references("nope")
+        suite_results.load_references("nope")
 
 
 def test_the_paper_suite_reads_all_nine_benchmarks_in_their_public_fields(tmp_path):
@@ -221,15 +222,15 @@ def test_protocols_set_turns_and_thinking_of_each_benchmark(tmp_path):
 
 
 def test_references_name_their_protocol_and_the_thinking_we_use(tmp_path):
-    shipped = suites.load_references("dflash_paper")
+    shipped = suite_results.load_references("dflash_paper")
     assert {r["protocol"] for r in shipped} == {"zlab_bb48ef9"}
     ref = {"name": "ref", "source": "x", "protocol": "zlab_bb48ef9", "thinking": False}
     j = compose("evaluate", ["debug=tiny"])  # protocol zlab, eval.thinking null
-    assert suites.setting_differences(ref, j, 16) == [
+    assert suite_results.setting_differences(ref, j, 16) == [
         "protocol zlab_bb48ef9 (ours zlab)", "thinking off (ours the chat template's default)"]
     # under zlab data.enable_thinking is not what the prompts are made with: eval.thinking is
     def differs(*overrides):
-        return suites.setting_differences(ref, compose("evaluate", ["debug=tiny", *overrides]), 16)
+        return suite_results.setting_differences(ref, compose("evaluate", ["debug=tiny", *overrides]), 16)
     assert differs("data.enable_thinking=false")[1] == "thinking off (ours the chat template's default)"
     assert differs("eval.thinking=true")[1] == "thinking off (ours on)"
     assert differs("eval.protocol=zlab_bb48ef9") == []
@@ -238,7 +239,7 @@ def test_references_name_their_protocol_and_the_thinking_we_use(tmp_path):
     path.write_text("references:\n  - {name: ref, source: x, protocol: zlab_v2, tau: {gsm8k: 1.0}}\n")
     with pytest.raises(DataError, match=r"refs.yaml: references\[0\] \(ref\) has protocol 'zlab_v2'.*zlab, "
                                         r"zlab_bb48ef9, first_turn"):
-        suites.load_references(str(path))
+        suite_results.load_references(str(path))
 
 
 def suite_result(protocol, mode="teacher_forced"):
@@ -249,7 +250,7 @@ def suite_result(protocol, mode="teacher_forced"):
                            "eval/blocks": 10, "eval/prompts": 2},
                "per_prompt": {"p": {"tau": 4.0, "blocks": 10}}, "tau_histogram": [10], "block_size": 2,
                "ddtree_budgets": [], "mode": mode}
-    result = suites.combine("gsm8k", {"gsm8k": summary}, protocol)
+    result = suite_results.combine("gsm8k", {"gsm8k": summary}, protocol)
     result["references"] = reference_rows([{"name": "ref", "source": "x", "tau": {"gsm8k": 6.5}}], ["gsm8k"])
     return result
 

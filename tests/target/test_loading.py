@@ -171,7 +171,7 @@ def test_builtin_target_under_home_is_built_once(tmp_path, monkeypatch):
     """The preset path starts with ~; it must be expanded before checking whether it exists."""
     from dflash.config import TargetConfig
     from dflash.target import builtin as builtin_targets
-    from dflash.target.loading import ensure_built
+    from dflash.target.builtin import ensure_built
 
     monkeypatch.setenv("HOME", str(tmp_path))
     calls = []
@@ -190,25 +190,25 @@ def test_other_processes_wait_for_process_0_to_build_a_builtin_target(tmp_path, 
 
     from dflash.config import TargetConfig
     from dflash.errors import NotFoundError
-    from dflash.target import loading
+    from dflash.target import builtin
 
     cfg = TargetConfig(name="tiny_qwen3", path=str(tmp_path / "tiny"), build="tiny_qwen3", mask_token_id=261)
-    monkeypatch.setattr(loading, "_distributed_rank", lambda: 1)
-    monkeypatch.setattr(loading, "BUILD_WAIT_S", 1)
+    monkeypatch.setattr(builtin, "_distributed_rank", lambda: 1)
+    monkeypatch.setattr(builtin, "BUILD_WAIT_S", 1)
     with pytest.raises(NotFoundError, match="process 0 to build the target"):
-        loading.ensure_built(cfg)
+        builtin.ensure_built(cfg)
     assert list(tmp_path.iterdir()) == []  # built nothing itself
-    monkeypatch.setattr(loading, "BUILD_WAIT_S", 30)
+    monkeypatch.setattr(builtin, "BUILD_WAIT_S", 30)
     rank0 = threading.Timer(0.5, lambda: (tmp_path / "tiny").mkdir() or (tmp_path / "tiny/config.json").write_text("{}"))
     rank0.start()
-    loading.ensure_built(cfg)
+    builtin.ensure_built(cfg)
     assert (tmp_path / "tiny/config.json").exists()
 
 
 def test_a_toy_target_installed_from_an_earlier_shipped_build_is_replaced(tmp_path, caplog):
     """A cache (~/.cache/dflash/targets/toy) filled by an earlier dflash must not keep serving the old toy target."""
     from dflash.config import TargetConfig
-    from dflash.target.loading import ensure_built
+    from dflash.target.builtin import ensure_built
     from dflash.target.toy import SHIPPED
 
     dest = tmp_path / "toy"
@@ -232,7 +232,7 @@ def test_a_missing_shipped_toy_target_is_explained_not_rebuilt_otherwise(tmp_pat
     from dflash.config import TargetConfig
     from dflash.errors import NotFoundError
     from dflash.target import toy
-    from dflash.target.loading import ensure_built
+    from dflash.target.builtin import ensure_built
 
     monkeypatch.setattr(toy, "SHIPPED", tmp_path / "assets" / "toy_target")
     cfg = TargetConfig(name="toy", path=str(tmp_path / "home" / "toy"), build="toy", mask_token_id=5)
@@ -246,7 +246,7 @@ def test_an_unmarked_toy_install_in_the_default_folder_is_replaced(tmp_path, mon
     import shutil
 
     from dflash.config import TargetConfig
-    from dflash.target.loading import ensure_built
+    from dflash.target.builtin import ensure_built
     from dflash.target.toy import SHIPPED
 
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
@@ -263,7 +263,7 @@ def test_a_toy_target_built_at_its_own_path_is_used_as_it_is(tmp_path, monkeypat
     import shutil
 
     from dflash.config import TargetConfig
-    from dflash.target.loading import ensure_built
+    from dflash.target.builtin import ensure_built
     from dflash.target.toy import SHIPPED
 
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))

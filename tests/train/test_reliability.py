@@ -186,19 +186,21 @@ def test_first_layout_checkpoints_still_resume(finished_run):
 
 
 def test_checkpoints_from_before_dflash2_resume_without_its_module(finished_run):
-    """Checkpoints written before DFlash 2 hold modeling_dflash.py but no dflash2.py: they still resume (and the
-    checkpoint written next has it)."""
+    """Checkpoints written before DFlash 2 hold modeling_dflash.py but no dflash2.py (nor attention.py, split out of
+    the model file later): they still resume (and the checkpoint written next has both)."""
     import shutil
 
     tmp, run = finished_run
     old = tmp / "runs" / "before-dflash2"
     shutil.copytree(run, old)
     shutil.rmtree(old / "checkpoints/step-000002")
-    (old / "checkpoints/step-000001/dflash2.py").unlink()
+    for name in ("dflash2.py", "attention.py"):
+        (old / "checkpoints/step-000001" / name).unlink()
     train(job(tmp, "run.name=before-dflash2", "train.max_steps=2", "train.save_every=1", "train.keep_last=5",
               "train.resume=latest"))
     a, b = (load_file(r / "checkpoints/step-000002/train_state/weights_fp32.safetensors") for r in (run, old))
-    assert all(torch.equal(a[k], b[k]) for k in a) and (old / "checkpoints/step-000002/dflash2.py").exists()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all((old / "checkpoints/step-000002" / name).exists() for name in ("dflash2.py", "attention.py"))
 
 
 def test_what_a_checkpoint_cannot_resume_is_refused(finished_run, tmp_path):
