@@ -14,7 +14,7 @@ that survives a killed check (or a killed run).
   command, the waves the checks ran in (and per check whether it had the GPU alone), the Triton cache directory
   and the autotuning results it held before and after, and per check the Triton autotunings it ran (counted
   from its log: the runner sets TRITON_PRINT_AUTOTUNING=1). Nothing is added to a report afterwards: notes go in
-  README or a `<report>.notes.md` next to it.
+  docs/results/ or a `<report>.notes.md` next to it.
 """
 
 from __future__ import annotations

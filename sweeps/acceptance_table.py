@@ -1,4 +1,4 @@
-"""The acceptance-loss comparison table (docs/sampling.md) from the runs of sweeps/acceptance.sh.
+"""The acceptance-loss comparison table (docs/results/2026-12-03-sampling.md) from the runs of sweeps/acceptance.sh.
 
     python sweeps/acceptance_table.py runs/acceptance [runs/dflash2=decay_ce]   # extra roots: root=arm
 

@@ -20,7 +20,7 @@
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
-#   python sweeps/selector_table.py runs/selector   # the table of docs/dflash2.md
+#   python sweeps/selector_table.py runs/selector   # the table of docs/results/2026-12-03-dflash2.md
 #
 # Each run's final in-run evaluation (greedy, the 64 held-out prompts) gives the walk tau, every-anchor tau,
 # tau_unary and tau_oracle; its windows the served-semantics train/tau, train/oracle/tau and train/topk_recall.

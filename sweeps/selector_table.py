@@ -1,4 +1,4 @@
-"""The selector sweep's table (docs/dflash2.md) from the runs of sweeps/selector.sh.
+"""The selector sweep's table (docs/results/2026-12-03-dflash2.md) from the runs of sweeps/selector.sh.
 
     python sweeps/selector_table.py runs/selector [reference arm, default dflash]
 

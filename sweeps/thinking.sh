@@ -10,7 +10,7 @@
 # decoding walk), into runs/thinking/<arm>-s<seed>/eval/<step>/summary.json.
 #
 #   bash sweeps/thinking.sh                         # runs into runs/thinking/ (ROOT=..., ARMS="think mix")
-#   python sweeps/thinking_table.py runs/thinking   # the table of docs/thinking.md
+#   python sweeps/thinking_table.py runs/thinking   # the table of docs/results/2026-12-05-thinking.md
 set -euo pipefail
 ROOT=${ROOT:-runs/thinking}
 SEEDS=${SEEDS:-"0 1 2"}

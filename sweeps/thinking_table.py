@@ -1,4 +1,4 @@
-"""The thinking sweep's table (docs/thinking.md) from the runs of sweeps/thinking.sh.
+"""The thinking sweep's table (docs/results/2026-12-05-thinking.md) from the runs of sweeps/thinking.sh.
 
     python sweeps/thinking_table.py runs/thinking
 

@@ -69,7 +69,7 @@ def copy_target_layers(drafter: DFlashDraftModel, folder: Path, ids: list[int], 
     norms; a q_norm/k_norm the target lacks, as Llama's, stays at ones), and the drafter's final norm as the target's,
     read from the target's safetensors files (no model needed: offline training loads the heads only). The drafter
     reads its block with the same kind of layer the target continues text with, so the copy is a start closer to
-    predicting the next tokens than a random one; whether it trains faster is measured (README, docs)."""
+    predicting the next tokens than a random one (whether it trains faster: docs/results/2026-12-06-real-targets.md)."""
     from safetensors import safe_open
 
     bad = [i for i in ids if not 0 <= i < num_layers]

@@ -178,7 +178,7 @@ def build(name: str, dest: Path) -> None:
             raise NotFoundError(
                 f"the shipped toy target is missing ({SHIPPED / 'config.json'} does not exist): reinstall dflash "
                 f"(pip install -e .), or rebuild it with `python -m dflash.target.toy build` through the stages "
-                f"README lists, into target.path")
+                f"docs/results/2026-12-02-toy-target.md lists, into target.path")
         return
     from transformers import AutoModelForCausalLM
 

@@ -11,8 +11,8 @@ a rename is code that reads like the library, has one right answer, and ends its
 A build from scratch (1200 steps of 16 x 512 tokens) takes about 70 minutes on 2 cores; `--init`
 trains an earlier build further. The shipped build is not one from scratch: two stages that wrote
 function bodies (the task before renames), two on renames, then two that grew it to 12 layers and
-taught its layer 9 the tokens 2-4 ahead (README lists the commands); how well a from-scratch rename
-build does has not been measured. toy_info.json records how the shipped build
+taught its layer 9 the tokens 2-4 ahead (docs/results/2026-12-02-toy-target.md lists the commands); how well a
+from-scratch rename build does has not been measured. toy_info.json records how the shipped build
 was made (nested `init` records for each earlier stage), its held-out loss and greedy continuations
 of held-out renames: how often they end their turn, are the right answer, and repeat themselves.
 

@@ -68,7 +68,8 @@ def test_packed_rows_keep_labels_aligned_with_ids():
 def test_shipped_target_records_its_build():
     info = json.loads((toy.SHIPPED / "toy_info.json").read_text())
     held = info["held_out_continuations"]
-    # what the README states for the shipped build (a rebuild that does worse should not ship silently)
+    # what docs/results/2026-12-02-toy-target.md states for the shipped build (a rebuild that does worse should not
+    # ship silently)
     assert held["ended_turn"] >= 0.9 and held["repeated_4gram_fraction"] <= 0.15 and held["lines_right"] >= 0.4
     assert info["held_out_loss"] < 1.0 and info["params"] == pytest.approx(3.4e6, rel=0.1)
     stages = [info]
