@@ -20,7 +20,6 @@ from dflash.drafter.build import drafter_config
 from dflash.drafter.loss import block_terms
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.recompute import MODES, use_checkpointing
-from dflash.plan.memory import MODE_WORDS
 
 SHAPE = {"hidden": 256, "heads": 8, "kv_heads": 2, "layers": 2, "block": 16, "ctx": 1024, "anchors": 256,
          "vocab": 2048}
@@ -59,7 +58,7 @@ def checkpointing_costs(quick: bool, device, **_) -> dict:
             losses[mode] = terms.loss_sum.item()
         return run
 
-    arms = {MODE_WORDS[m]: step(m) for m in MODES}
+    arms = {m: step(m) for m in MODES}
     times = alternating(arms, 2 if quick else 4)
     peaks = {}
     for mode in MODES:
@@ -69,7 +68,7 @@ def checkpointing_costs(quick: bool, device, **_) -> dict:
                       embed.weight, head.weight, features, ids,
                       *[v for v in vars(blocks).values() if torch.is_tensor(v)])
             step(mode)()
-        peaks[MODE_WORDS[mode]] = round(mem.peak / 2**20, 2)
+        peaks[mode] = round(mem.peak / 2**20, 2)
     off = times["off"]
     return {"shape": s, "step_s": {k: round(v, 4) for k, v in times.items()}, "peak_mib": peaks,
             "same_loss": len(set(losses.values())) == 1,

@@ -18,12 +18,13 @@ from dataclasses import replace
 import torch
 
 from bench.measure import TensorPeak, timed
-from dflash.drafter.blocks import draft_packed, flex_padded_shape, pack_blocks, sample_anchors
-from dflash.drafter.loss import block_terms
+from dflash.drafter.blocks import draft_packed, pack_blocks, sample_anchors
 from dflash.drafter.build import drafter_config
+from dflash.drafter.loss import block_terms
 from dflash.drafter.model import DFlashDraftModel
 from dflash.plan.flops import train_flops
 from dflash.plan.targets import TARGETS
+from dflash.tiling import flex_padded_shape
 
 # Qwen3-8B (the target, as the memory plan holds its published config) and a small stand-in of the same
 # shape for CPU smoke runs
@@ -236,10 +237,11 @@ def preset_job(overrides: list[str]):
     """(job, Shape, Setup) of the plan (dflash.plan) for an experiment preset: the config groups train.py composes,
     and the shape and step the plan estimates, for one sequence (batch 1, no accumulation, no
     allowance or fragmentation: what the allocator counts)."""
-    from dflash import plan
+    from dflash.plan.compose import compose
+    from dflash.plan.report import build
 
-    job = plan.compose(overrides)
-    _, shape, setup = plan.build(job)
+    job = compose(overrides)
+    _, shape, setup = build(job)
     return job, shape, replace(setup, batch=1, grad_accum=1, world=1, allowance=0.0, fragmentation=0.0)
 
 
@@ -248,8 +250,8 @@ def preset_drafter(job: dict, device):
     in target.dtype, random, made on `device`."""
     from torch import nn
 
-    from dflash.plan.targets import target_config
     from dflash.drafter.build import build_drafter
+    from dflash.plan.configured import target_config
     from dflash.target.loading import DTYPES, Target
 
     text, dtype = target_config(job["target"]), DTYPES[job["target"].dtype]
@@ -273,11 +275,10 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     one more forward and backward alone (no optimizer step), each next to the plan's for the same shape. Last,
     one more step under torch.profiler (bench.gpu_profile: time by op class, top kernels) unless what is left
     of `budget_s` (seconds from the call) is below `profile_cost`: then "profile" says it was skipped."""
-    from dflash import plan
-    from dflash.plan.memory import BACKWARD, PERSISTENT
     from dflash.config import OptimConfig
     from dflash.drafter.build import use_conv_kernel
     from dflash.drafter.recompute import use_checkpointing
+    from dflash.plan import memory
     from dflash.train.batches import add_noise
     from dflash.train.optim import build_optimizer
 
@@ -286,7 +287,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     optim = OptimConfig()  # the training default: AdamW fused on CUDA (optim.fused=auto), no foreach temporary
     setup = replace(setup, foreach=False)
     drafter, embed, head = preset_drafter(job, device)
-    use_checkpointing(drafter, setup.checkpointing)  # as dflash.train.loop turns it on
+    use_checkpointing(drafter, memory.MODE_WORDS[setup.checkpointing])  # as dflash.train.loop turns it on
     conv_kernel = use_conv_kernel(drafter, job["train"].conv_kernel, device)  # DFlash 2: Triton on CUDA, as it trains
     drafter.train()
     L, n = setup.ctx_len, setup.num_anchors
@@ -348,10 +349,10 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
         except Exception as e:  # noqa: BLE001 - e.g. a profiler without CUPTI
             profile = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         opt.zero_grad(set_to_none=True)
-    estimate, phase = plan.peak(shape, setup)
+    estimate, phase = memory.peak(shape, setup)
     # the forward and backward alone, whose peak the activations set: the whole step's is the optimizer's
-    window_plan, window_phase = plan.peak(shape, setup, BACKWARD)
-    rise_plan = window_plan - sum(plan.terms(shape, setup)[k] for k in PERSISTENT)
+    window_plan, window_phase = memory.peak(shape, setup, memory.BACKWARD)
+    rise_plan = window_plan - sum(memory.terms(shape, setup)[k] for k in memory.PERSISTENT)
     flops, peak = sum(train_flops(drafter, blocks).values()), _device_peak(device)
     types = ", ".join(f"{k} x{drafter.layer_types.count(k)}" for k in dict.fromkeys(drafter.layer_types))
     c = drafter.config

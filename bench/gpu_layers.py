@@ -21,12 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.gpu import (QWEN3_6_PRESET, CompileWatch, _sync, loss_and_backward, make_batch, preset_drafter,
-                       preset_job)
+from bench.gpu import QWEN3_6_PRESET, CompileWatch, _sync, loss_and_backward, make_batch, preset_drafter, preset_job
 from bench.gpu_verdicts import PLAN_TOL
 from bench.measure import TensorPeak, timed
 from dflash.drafter.recompute import MODES, compile_layers, use_checkpointing
-from dflash.plan.memory import MODE_WORDS
+from dflash.plan.configured import checkpointing_of
 
 
 def preset_fwd_bwd(device, overrides: list[str]) -> SimpleNamespace:
@@ -49,12 +48,11 @@ def preset_fwd_bwd(device, overrides: list[str]) -> SimpleNamespace:
 
 def measure_modes(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3) -> dict:
     """Per mode: the forward and backward's median time over `repeat` after one untimed (the first compiles flex),
-    its peak and the plan's (plan.peak among its BACKWARD phases) and the loss; the drafter's gradients are freed
+    its peak and the plan's (peak among its BACKWARD phases) and the loss; the drafter's gradients are freed
     between steps, as the optimizer's zero_grad does."""
     from dataclasses import replace
 
-    from dflash import plan
-    from dflash.plan.memory import BACKWARD
+    from dflash.plan.memory import BACKWARD, peak, terms
     from dflash.train.batches import add_noise
 
     p = preset_fwd_bwd(device, overrides)
@@ -89,9 +87,9 @@ def measure_modes(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3
                 backward(mode)
             measured = mem.peak
         # no AdamW state here: the plan's peak without it
-        planned = plan.peak(shape, replace(setup, checkpointing=mode, foreach=False), BACKWARD)[0]
-        planned -= plan.terms(shape, setup)["AdamW state (2 x fp32)"]
-        out["modes"][MODE_WORDS[mode]] = {"fwd_bwd_s": round(t, 4), "first_s": round(first, 2),
+        planned = peak(shape, replace(setup, checkpointing=checkpointing_of(mode), foreach=False), BACKWARD)[0]
+        planned -= terms(shape, setup)["AdamW state (2 x fp32)"]
+        out["modes"][mode] = {"fwd_bwd_s": round(t, 4), "first_s": round(first, 2),
                                      "peak_bytes": int(measured), "peak_gib": round(measured / 2**30, 3),
                                      "plan_peak_gib": round(planned / 2**30, 3),
                                      "plan_over_measured": round(planned / measured, 3), "loss": losses[mode]}

@@ -140,7 +140,8 @@ class RunLayout:
 
     @property
     def info(self) -> Path:
-        """run.json: name, created, git commit, W&B run id/project/entity/group."""
+        """run.json: name, created, git commit, W&B run id/project/entity/group, the modes training resolved
+        (gradient_checkpointing; conv_kernel for DFlash 2)."""
         return self.path / "run.json"
 
     @property

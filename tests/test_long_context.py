@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash import plan
 from bench.gpu import preset_step
 from bench.measure import TensorPeak
 from dflash.dist import Dist
@@ -18,6 +17,9 @@ from dflash.evaluate import heldout
 from dflash.evaluate.decode import speculative_generate
 from dflash.evaluate.teacher_forced import teacher_forced
 from dflash.evaluate.walk import walk
+from dflash.plan.compose import compose as plan_groups
+from dflash.plan.memory import phases, terms
+from dflash.plan.report import build
 from dflash.target.features import target_forward
 from tests.conftest import compose
 from tests.evaluate.test_walk import One, walk_equals_live
@@ -28,7 +30,7 @@ STEP = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_atten
 
 
 @pytest.mark.parametrize("extra", [["train.num_anchors=512"],
-                                   ["train.num_anchors=256", "train.gradient_checkpointing=true"]])
+                                   ["train.num_anchors=256", "train.gradient_checkpointing=full"]])
 def test_a_4k_token_step_peaks_within_its_plan_and_holds_nothing_l_by_l(tiny_targets, extra):
     """A training step (sdpa: the CPU path) of a sliding + full drafter over a 4096-token context: its measured
     peak, and that of its forward and backward alone, within 20% of the plan's (issue 51); the largest
@@ -47,8 +49,8 @@ def test_sdpa_chunk_mask_bytes_are_those_of_the_real_masks():
     """The plan's 'sdpa chunk masks' term: the masks packed_attention_masks keeps through the step, one set per kind
     of layer (at 32k tokens and 128 anchors they were the 11% the plan fell short by): per chunk a float32 context
     mask and a flag per query, a bool [B, B] per block."""
-    job = plan.compose(STEP + ["train.num_anchors=512", "train.batch_size=1"])
-    _, shape, setup = plan.build(job)
+    job = plan_groups(STEP + ["train.num_anchors=512", "train.batch_size=1"])
+    _, shape, setup = build(job)
     n, size = setup.num_anchors, shape.block_size
     anchors = torch.linspace(0, L - 2, n).round().long()
     blocks = pack_blocks(torch.zeros(1, L, dtype=torch.long), torch.ones(1, L, dtype=torch.bool), torch.tensor([L]),
@@ -56,7 +58,7 @@ def test_sdpa_chunk_mask_bytes_are_those_of_the_real_masks():
     masks = packed_attention_masks(blocks, ["full_attention", "sliding_attention"], 512, "sdpa")
     held = sum(t.numel() * t.element_size() for m in masks.values() for t in
                [m.block_mask, *(x for c in m.chunks if c.ctx_len for x in (c.context_mask, c.context_empty))])
-    assert plan.terms(shape, setup)["sdpa chunk masks"] == held
+    assert terms(shape, setup)["sdpa chunk masks"] == held
     assert held < 2 * 4 * n * size * L  # linear in the context: [n * B, up to L] float32 per layer type
 
 
@@ -65,14 +67,14 @@ def test_the_online_target_forward_at_4k_tokens_is_the_plans(name, tiny_targets)
     """Online training's target forward over 4096 tokens within 20% of the plan's phase: nothing [L, L] for an
     attention target; for one with sliding-window layers under sdpa, transformers' dense [1, 1, L, L] bool mask
     and sdpa's float copy of it, which the plan counts (5 bytes an entry in float32: 80 of the 94 MiB)."""
-    job = plan.compose([f"target={name}", "drafter=tiny", "train.mode=online", "train.batch_size=1",
-                        "train.mixed_precision=no", "train.attention=sdpa", f"data.max_length={L}"])
-    drafter, shape, setup = plan.build(job)
+    job = plan_groups([f"target={name}", "drafter=tiny", "train.mode=online", "train.batch_size=1",
+                       "train.mixed_precision=no", "train.attention=sdpa", f"data.max_length={L}"])
+    drafter, shape, setup = build(job)
     ids = torch.randint(0, 250, (1, L), generator=torch.Generator().manual_seed(0))
     with TensorPeak() as mem:
         mem.track(ids)
         target_forward(tiny_targets[name], ids, drafter.target_layer_ids)
-    planned = plan.phases(shape, setup)["target forward (online)"]
+    planned = phases(shape, setup)["target forward (online)"]
     print(f"{name}: measured {mem.peak / 2**20:.1f} MiB, plan {planned / 2**20:.1f} MiB, largest {mem.largest}")
     assert abs(planned / mem.peak - 1) <= 0.2
     assert (mem.largest[0] >= L * L) == (name == "tiny_qwen3_sliding") == (shape.target_window > 0)

@@ -4,7 +4,7 @@ The YAML groups under ``conf/`` are merged onto these schemas, so an unknown key
 of the wrong type fails at compose time, and the cross-field checks in ``__post_init__`` run
 when the entry points call ``OmegaConf.to_object``. Library code only ever sees these
 dataclasses, never a ``DictConfig``. The schemas are grouped by concern (model.py, data.py,
-run.py); everything is importable from here. dflash.config imports nothing from the rest of
+run.py, plan.py); everything is importable from here. dflash.config imports nothing from the rest of
 dflash but the exception classes of dflash.errors.
 """
 
@@ -18,11 +18,12 @@ from omegaconf import MISSING
 from dflash.config.checks import ConfigError
 from dflash.config.data import CompletionsConfig, DataConfig, FeaturesConfig, ToolsConfig
 from dflash.config.model import DEFAULT_GAMMA, DrafterConfig, LayersConfig, LossConfig, NoiseConfig, TargetConfig
+from dflash.config.plan import PlanConfig
 from dflash.config.run import EvalConfig, LoggerConfig, OptimConfig, ProvenanceConfig, RunConfig, TrainConfig
 
 __all__ = ["DEFAULT_GAMMA", "CompletionsConfig", "ConfigError", "DataConfig", "DrafterConfig", "EvalConfig",
            "FeaturesConfig", "JobConfig", "LayersConfig", "LoggerConfig", "LossConfig", "NoiseConfig", "OptimConfig",
-           "ProvenanceConfig", "ReportConfig", "RunConfig", "TargetConfig", "ToolsConfig", "TrainConfig",
+           "PlanConfig", "ProvenanceConfig", "ReportConfig", "RunConfig", "TargetConfig", "ToolsConfig", "TrainConfig",
            "register_configs"]
 
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from dflash.config.checks import ConfigError, one_of, positive
+from dflash.config.checks import ConfigError, enum_value, one_of, positive
+
+CHECKPOINTING_MODES = ("off", "selective", "full", "auto")
+"""train.gradient_checkpointing's values; dflash.drafter.recompute applies the first three."""
+COMPILE_MODES = ("off", "layers", "model")
+"""train.compile's values."""
+SERVING_GPUS = ("h200", "h100", "a100")
+"""The GPUs the serving model knows (eval.serving_gpu, the plan's gpu=): dflash.plan.serving.GPUS holds their
+figures, keyed by these names."""
 
 
 @dataclass
@@ -89,23 +96,26 @@ class TrainConfig:
     """auto (bf16 on CUDA, none on CPU), no or bf16."""
     attention: str = "auto"
     """Packed-block attention: auto (flex on CUDA, sdpa on CPU), flex or sdpa."""
-    compile: Any = False
-    """torch.compile the drafter: false; true (the whole drafter as one graph); or layers (training's call of a
-    decoder layer, fullgraph, its checkpointing and flex attention inside: one graph per padded shape that the layers
-    share, under flex one per kind of layer; dflash.drafter.recompute.compile_layers)."""
+    compile: str = "off"
+    """torch.compile the drafter in training: off; model (the whole drafter as one graph); or layers (training's call
+    of a decoder layer, fullgraph, its checkpointing and flex attention inside: one graph per padded shape that the
+    layers share, under flex one per kind of layer; dflash.drafter.recompute.compile_layers). false and true, its
+    old spellings, are read as off and model, with a deprecation note."""
     conv_kernel: str = "auto"
     """DFlash 2's grouped dynamic convolution in training: torch (the path exports run), triton (two fused kernels,
     dflash/drafter/conv_kernel.py: CUDA with triton installed, a power-of-two conv_group_size), or auto (triton
-    where it can run and train.compile is off, else torch). The run logs and records the choice; DFlash drafters
-    have no convolution."""
+    where it can run and train.compile is off, else torch). The run logs the choice and records it in run.json;
+    DFlash drafters have no convolution."""
     distributed: str = "ddp"
     """ddp, or fsdp (CUDA only: FSDP2, each drafter layer sharded) for drafters too large to replicate."""
-    gradient_checkpointing: Any = "auto"
-    """Recompute drafter layer activations in backward to save memory: false; selective (keep each layer's matmul
-    and attention outputs, recompute its norms, rotary and activations: 38% of what a layer keeps with false at the
-    recipes' shapes, no matmul recomputed); true (keep only each layer's input, recompute everything: a third more FLOPs); or auto (on a
-    CUDA device the first of false, selective, true whose step the memory plan says fits the device, with its
-    margin; false on CPU). The run logs which auto chose and why; `python -m dflash.plan` shows it per GPU size."""
+    gradient_checkpointing: str = "auto"
+    """Recompute drafter layer activations in backward to save memory: off; selective (keep each layer's matmul and
+    attention outputs, recompute its norms, rotary and activations: 38% of what a layer keeps with off at the
+    recipes' shapes, no matmul recomputed); full (keep only each layer's input, recompute everything: a third more
+    FLOPs); or auto (on a CUDA device the first of off, selective, full whose step the memory plan says fits the
+    device, with its margin; off on CPU), resolved once as training starts (dflash.train.fit.resolve_checkpointing)
+    and recorded in run.json. false and true, its old spellings, are read as off and full, with a deprecation
+    note. `python -m dflash.plan` shows auto's choice per GPU size."""
     num_workers: int = 1
     """DataLoader worker processes."""
     save_dtype: str = "bfloat16"
@@ -122,11 +132,9 @@ class TrainConfig:
         one_of("train.conv_kernel", self.conv_kernel, {"auto", "torch", "triton"})
         one_of("train.distributed", self.distributed, {"ddp", "fsdp"})
         one_of("train.save_dtype", self.save_dtype, {"bfloat16", "float32"})
-        if not (isinstance(self.compile, bool) or self.compile == "layers"):
-            raise ConfigError(f"train.compile={self.compile!r} is not valid; expected true, false or layers")
-        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing in ("auto", "selective")):
-            raise ConfigError(f"train.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; expected "
-                              f"true, false, selective or auto")
+        self.compile = enum_value("train.compile", self.compile, COMPILE_MODES, {"false": "off", "true": "model"})
+        self.gradient_checkpointing = enum_value("train.gradient_checkpointing", self.gradient_checkpointing,
+                                                 CHECKPOINTING_MODES, {"false": "off", "true": "full"})
         for key in ("epochs", "max_steps", "batch_size", "grad_accum", "num_anchors", "log_every",
                     "save_every", "keep_last"):
             positive(f"train.{key}", getattr(self, key))
@@ -267,10 +275,8 @@ class EvalConfig:
     eval/live_serving@<C>_speedup ([] for none)."""
 
     def __post_init__(self) -> None:
-        from dflash.plan.serving import GPUS
-
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
-        one_of("eval.serving_gpu", self.serving_gpu.lower(), set(GPUS))
+        one_of("eval.serving_gpu", self.serving_gpu.lower(), set(SERVING_GPUS))
         for c in self.serving_concurrency:
             positive("eval.serving_concurrency[*]", c)
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})

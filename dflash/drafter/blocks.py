@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.drafter.packed_attention import chunked_mask
+from dflash.tiling import BLOCKS_PER_CHUNK_TOKENS, FLEX_TILE, flex_padded_shape
 
 try:
     from torch.nn.attention.flex_attention import BlockMask
@@ -131,11 +132,6 @@ def make_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: 
     return mask_mod
 
 
-FLEX_TILE = 128
-"""Side of a BlockMask tile (flex attention's default BLOCK_SIZE): the mask lists, per tile of 128
-queries, the tiles of 128 keys holding a visible entry, and apart those where every entry is visible."""
-
-
 def _visible_spans(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None,
                    causal: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The keys make_mask_mod lets each packed query see, as two intervals [start, end) of key indices:
@@ -213,9 +209,6 @@ def packed_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, wind
                                     mask_mod=mask_mod, seq_lengths=(q_len, ctx_len + q_len))
 
 
-BLOCKS_PER_CHUNK_TOKENS = 256  # queries per chunk: fewer waste keys, more calls; 256 measured best on CPU
-
-
 def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None, backend: str) -> dict:
     """Masks for the packed forward, one per kind of layer: a ChunkedMask (sdpa: dflash.drafter.packed_attention)
     or a BlockMask (flex).
@@ -235,19 +228,6 @@ def packed_attention_masks(blocks: PackedBlocks, kinds: list, window: int | None
         mod = make_mask_mod(blocks.anchors, L, B, kind_window, causal)
         masks[kind] = chunked_mask(mod, blocks.anchors * blocks.valid, L, B, max(1, BLOCKS_PER_CHUNK_TOKENS // B))
     return masks
-
-
-FLEX_LENGTH_MULTIPLE = 256
-"""flex attention is compiled for static shapes: context lengths are padded to a multiple of this, so a
-run compiles at most max_length / 256 graphs per mask kind instead of one per batch."""
-
-
-def flex_padded_shape(ctx_len: int, n_blocks: int, num_blocks: int | None = None) -> tuple[int, int]:
-    """(context length, block count) a packed batch is padded to on the flex path: the context to a
-    multiple of FLEX_LENGTH_MULTIPLE, the blocks to `num_blocks` (train.num_anchors) or a power of two."""
-    length = -(-ctx_len // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE
-    blocks = num_blocks if num_blocks is not None and num_blocks >= n_blocks else 1 << max(n_blocks - 1, 0).bit_length()
-    return length, blocks
 
 
 def pad_packed(blocks: PackedBlocks, features: torch.Tensor, ctx_len: int, n_blocks: int,

@@ -2,7 +2,7 @@
 it compiles them (train.compile=layers, `compile_layers`). Kept out of model.py, which exports copy and whose
 `train_layer` only calls `torch.utils.checkpoint.checkpoint` with the drafter's `checkpoint_contexts`.
 
-- true (full): each layer keeps its inputs and recomputes everything in backward: its matmuls too, about a third
+- full: each layer keeps its inputs and recomputes everything in backward: its matmuls too, about a third
   more of the step's FLOPs.
 - selective: each layer keeps its inputs and the outputs of its matmuls and attention (SAVED), and recomputes only
   the rest (norms, rotary, SiLU x up, casts, DFlash 2's convolutions), keeping 38% of what no checkpointing keeps at
@@ -39,8 +39,8 @@ SAVED = {
 if hasattr(torch.ops.higher_order, "inductor_compiled_code"):  # torch >= 2.10: a compiled region (the drafter's
     SAVED.add(torch.ops.higher_order.inductor_compiled_code)  # flex attention) runs as this one op under the replay
 
-MODES = (False, True, "selective")
-"""The values train.gradient_checkpointing resolves to (auto is decided before the drafter is built)."""
+MODES = ("off", "selective", "full")
+"""The values train.gradient_checkpointing resolves to (auto is decided as training starts, dflash.train.fit)."""
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -52,11 +52,11 @@ selective_contexts = functools.partial(create_selective_checkpoint_contexts, _po
 
 
 def use_checkpointing(drafter: torch.nn.Module, mode) -> None:
-    """Make `drafter` (a DFlashDraftModel) recompute its layers in training as `mode` says: false, true or
-    selective (MODES)."""
+    """Make `drafter` (a DFlashDraftModel) recompute its layers in training as `mode` says: off, selective or full
+    (MODES)."""
     if mode not in MODES:
         raise ValueError(f"gradient checkpointing mode {mode!r}: expected one of {MODES}")
-    drafter.gradient_checkpointing = bool(mode)
+    drafter.gradient_checkpointing = mode != "off"
     drafter.checkpoint_contexts = selective_contexts if mode == "selective" else noop_context_fn
 
 

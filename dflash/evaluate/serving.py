@@ -10,14 +10,13 @@ the model came."""
 from __future__ import annotations
 
 from dflash.config import JobConfig
+from dflash.plan.configured import drafter_shape
 from dflash.plan.serving import predict
 
 
 def serving_prediction(job: JobConfig, drafter, target, tau: float, context: float, tokens: float) -> dict:
     """{metrics: eval/live_serving@<C>_speedup, serving: the prediction (marked predicted: true) and its
     assumptions}; empty where eval.serving_concurrency is []."""
-    from dflash.plan.report import drafter_shape
-
     conc = list(job.eval.serving_concurrency)
     if not conc or target.model is None:
         return {}

@@ -5,6 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import SearchPathException
+from omegaconf import OmegaConf
+
+from dflash.config import register_configs
+from dflash.config.data import storage_for
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 """The shipped config tree, train.py's config_path."""
 
@@ -13,13 +25,6 @@ def compose(overrides: list[str], config_dir: str | None = None, config_name: st
     """The config groups a plan reads, composed from conf/<config_name>.yaml like train.py does. config_dir: a
     folder of the user's own configs (their target/<name>.yaml, say) searched beside conf/, as train.py's
     --config-dir adds it to Hydra's search path."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from dflash.config import register_configs
-    from dflash.config.data import storage_for
-
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # restores Hydra's global state after
         if config_dir is not None:
@@ -40,12 +45,6 @@ def search_with(config_dir: str) -> None:
     its own for config_name) and a file of the same name in conf/ wins. Hydra has no public call for this: an
     override hydra.searchpath=[...] is read only after the primary config is found, so --config-name could not name
     one of the folder's."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import SearchPathException
-
     where = Path(config_dir).expanduser().resolve()
     if not where.is_dir():  # Hydra's own words for train.py's --config-dir
         raise SearchPathException(f"Additional config directory '{where}' not found")

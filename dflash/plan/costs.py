@@ -14,21 +14,21 @@ the target, GPU-hours, offline and online side by side, and which set-up each GP
   forward is 2 FLOPs per non-embedding parameter per token (of a MoE target, the parameters a token runs through:
   all but the experts it is not routed to; attention's share is ignored: ~1%), once per
   sequence offline (extraction), every epoch online. Divided by the GPU's bf16 peak x an MFU: from the newest
-  GPU result in bench/results/ with an MFU, the experiment's own step where it was measured, else the median of
-  the steps measured without gradient checkpointing (`measured_mfu`); with none, ASSUMED_MFU. Gradient
-  checkpointing runs the layers' forward again (`recompute_scale`): a step measured with it already spent that
-  time in its MFU, so the recompute is counted only where the plan checkpoints and the measured step did not
-  (and taken out where it is the other way round). Selective checkpointing replays no matmul, so it counts no
-  recompute: its replayed norms, rotary and activations are memory-bound work the FLOP count leaves out, as it
-  leaves out the forward's own (the GPU check measures its time). Generating the completions (the same in both
-  modes) is not counted.
+  GPU result with an MFU in the plan's mfu_results folder (bench/results/ by default), the experiment's own step
+  where it was measured, else the median of the steps measured without gradient checkpointing (`measured_mfu`);
+  with none, ASSUMED_MFU. Gradient checkpointing runs the layers' forward again (`recompute_scale`): a step
+  measured with it already spent that time in its MFU, so the recompute is counted only where the plan checkpoints
+  and the measured step did not (and taken out where it is the other way round). Selective checkpointing replays no
+  matmul, so it counts no recompute: its replayed norms, rotary and activations are memory-bound work the FLOP count
+  leaves out, as it leaves out the forward's own (the GPU check measures its time). Generating the completions (the
+  same in both modes) is not counted.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,8 +38,8 @@ PAPER_SEQUENCES, PAPER_TOKENS = 800_000, 1.2e9  # the DFlash paper's training da
 ASSUMED_MFU = 0.35
 LOADER_THREADS = 4  # transformers 5.x core_model_loading.GLOBAL_WORKERS (min(4, cpus))
 STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float32": 4}
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"  # what the GPU checks wrote (bench/)
-HAND_EDITED = "hand_edited.json"  # in RESULTS: the fields of a result written by hand, not by the tool that measured
+# in a results folder: the fields of a result written by hand, not by the tool that measured
+HAND_EDITED = "hand_edited.json"
 # what a GPU size should train with, cheapest first: DDP before FSDP (less communication), and
 # gradient checkpointing (a third more layer FLOPs) only where needed
 SETUPS = (("ddp", False), ("fsdp", False), ("ddp", "selective"), ("fsdp", "selective"), ("ddp", True), ("fsdp", True))
@@ -71,23 +71,9 @@ def cache_bytes_per_token(s: Shape, storage: str) -> int:
     return s.target_layers * s.hidden * STORAGE_BYTES[storage] + 4 + 1 + scales
 
 
-def count_prompts(data: dict) -> int | None:
-    """Prompts the configured data holds after data.offset and data.limit, None when the source is not at
-    hand (a path that is not here, or data.prompts still unset)."""
-    from dflash.data.prompts import read_records
-    from dflash.errors import DFlashError
-
-    if data.get("prompts") is None:
-        return None
-    try:
-        n = len(read_records(data["prompts"], data.get("format", "auto"), data.get("split", "train")))
-    except (DFlashError, OSError, ValueError, ImportError):  # not here or unreadable: the run itself says why
-        return None
-    n = max(0, n - data.get("offset", 0))
-    return min(n, data["limit"]) if data.get("limit") else n
-
-
-def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tuple[float, str, bool] | None:
+def measured_mfu(results: Path, experiment: str | None = None,
+                 composed: Callable[[tuple[str, ...]], bool] | None = None,
+                 shown: str | None = None) -> tuple[float, str, bool] | None:
     """(MFU, where it is from, whether that step recomputed its layers), from the GPU results in `results` (files
     whose "device" is not cpu, named by date): with `experiment`, its own step where one was measured (a check whose
     "shape" starts with the overrides it ran, `experiment=<name>` among them: bench/gpu.py's preset_step), of the
@@ -95,7 +81,10 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
     median of the "mfu" values of the newest file holding any, of its steps measured without gradient checkpointing
     where it has such. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28,
     its DFlash 2 drafter's at 0.20 alone and 0.15 beside other checks, both with gradient checkpointing as their
-    presets train: a plan for a preset counts its own.)"""
+    presets train: a plan for a preset counts its own.) `composed`: whether a preset step's overrides compose to
+    full checkpointing (`recomputed`); `shown`: the folder's name in the words (default: its path)."""
+    shown = shown or str(results)
+
     def measured(x, name="a step"):  # (check name, result) of each dict in x holding an "mfu" > 0
         if isinstance(x, dict):
             if isinstance(x.get("mfu"), (int, float)) and x["mfu"] > 0:
@@ -118,11 +107,11 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
     median, steps = None, []
     # newest first: by the date the names start with, then by when a run started (a report says since it records it)
     for *_, path, data in sorted(files, key=lambda f: f[:3], reverse=True):
-        found = [(name, r, recomputed(r, overrides(r))) for name, r in measured(data)]
+        found = [(name, r, recomputed(r, overrides(r), composed)) for name, r in measured(data)]
         plain = [r for _, r, ckpt in found if not ckpt]
         if found and median is None:
             mfus = [float(r["mfu"]) for r in plain or [r for _, r, _ in found]]
-            median = (statistics.median(mfus), f"measured: median of {len(mfus)} in bench/results/{path.name}",
+            median = (statistics.median(mfus), f"measured: median of {len(mfus)} in {shown}/{path.name}",
                       not plain)
         if experiment:
             steps += [(path.name[:10], bool(r.get("alone")), name, float(r["mfu"]), path.name, ckpt)
@@ -130,7 +119,7 @@ def measured_mfu(results: Path = RESULTS, experiment: str | None = None) -> tupl
     if steps:
         date, alone, name, mfu, file, ckpt = max(steps, key=lambda t: t[:2])
         return mfu, (f"measured: {name}, experiment={experiment}'s step{' alone' if alone else ''}, in "
-                     f"bench/results/{file}"), ckpt
+                     f"{shown}/{file}"), ckpt
     return median
 
 
@@ -167,26 +156,18 @@ CHECKPOINTED_WHEN_MEASURED = {"qwen3_6_27b": True, "qwen3_6_27b_dflash2": True}
 sharded, no checkpointing), so their overrides composed today would misread the steps."""
 
 
-def recomputed(result: dict, overrides: list[str]) -> bool:
+def recomputed(result: dict, overrides: list[str], composed: Callable[[tuple[str, ...]], bool] | None = None) -> bool:
     """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu.py's preset_step
-    records it), else CHECKPOINTED_WHEN_MEASURED for its preset, else what its overrides compose to (a preset step
-    of an older result), else False (the flex steps at Qwen3-8B size never checkpoint)."""
+    records it), else CHECKPOINTED_WHEN_MEASURED for its preset, else what its overrides compose to (`composed`, the
+    configured adapter's reading: a preset step of an older result), else False (the flex steps at Qwen3-8B size
+    never checkpoint)."""
     if isinstance(result.get("checkpointing"), bool) or result.get("checkpointing") == "selective":
         return result["checkpointing"] is True  # selective replays no matmul: no model FLOPs recomputed
     for o in overrides:
         if o.partition("=")[0] in ("experiment", "+experiment") and o.partition("=")[2] in CHECKPOINTED_WHEN_MEASURED:
             return CHECKPOINTED_WHEN_MEASURED[o.partition("=")[2]]
-    return bool(overrides) and all("=" in o for o in overrides) and _composed_checkpointing(tuple(overrides))
-
-
-@functools.cache
-def _composed_checkpointing(overrides: tuple[str, ...]) -> bool:
-    from dflash.plan.compose import compose
-
-    try:
-        return compose(list(overrides))["train"].gradient_checkpointing is True  # auto: not recorded, taken as off
-    except Exception:  # noqa: BLE001 - overrides this checkout no longer composes: taken as a plain step
-        return False
+    return (composed is not None and bool(overrides) and all("=" in o for o in overrides)
+            and composed(tuple(overrides)))
 
 
 def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:
@@ -194,31 +175,6 @@ def loading_bytes(s: Shape, frozen: int) -> dict[str, float]:
     return {"process": sum(s.target_largest[:LOADER_THREADS]) * frozen,
             "page cache (shared by a node)": s.target_params * frozen,
             "heads only (offline training)": s.heads_params * frozen}
-
-
-def sequence_flops(drafter, s: Shape, tokens: int, num_anchors: int) -> dict[str, float]:
-    """FLOPs of one sequence of `tokens` tokens, all response, `num_anchors` blocks spread over it: {"drafter": the
-    training step's model FLOPs, "recompute": the layers' forward again (what gradient checkpointing adds: a third
-    of what their forward and backward cost), "target": the target's forward}."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from dflash.plan.flops import train_flops
-    from dflash.drafter.blocks import pack_blocks
-
-    n = max(1, min(num_anchors, tokens - 1))
-    ids = torch.zeros(1, tokens, dtype=torch.long)
-    blocks = pack_blocks(ids, torch.ones(1, tokens, dtype=torch.bool), torch.tensor([tokens]),
-                         [torch.linspace(0, tokens - 2, n).round().long()], s.block_size, 0)
-    f = train_flops(drafter, blocks)
-    # what is not the layers': train_flops of the drafter without them
-    rest = train_flops(SimpleNamespace(config=drafter.config, block_size=drafter.block_size, fc=drafter.fc,
-                                       layers=(), layer_types=()), blocks)
-    drafter_flops = f["matmul"] + f["attention"]
-    active = s.target_active_params or s.target_params  # MoE: the experts a token is routed to
-    return {"drafter": drafter_flops, "recompute": (drafter_flops - rest["matmul"] - rest["attention"]) / 3,
-            "target": 2 * (active - s.heads_params) * tokens}
 
 
 def recompute_scale(per: dict[str, float], planned: bool, measured: bool) -> float:
@@ -231,9 +187,10 @@ def recompute_scale(per: dict[str, float], planned: bool, measured: bool) -> flo
     return (model + extra * planned) / (model + extra * measured)
 
 
-def gpu_hours(drafter, s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:
-    """GPU-hours of the run, offline (extraction once, then training) and online (target every epoch)."""
-    per = sequence_flops(drafter, s, run.tokens_per_sequence, u.num_anchors)
+def gpu_hours(per: dict[str, float], s: Shape, u: Setup, run: Run) -> dict[str, dict[str, float]]:
+    """GPU-hours of the run, offline (extraction once, then training) and online (target every epoch); `per`: the
+    FLOPs of one sequence of run.tokens_per_sequence tokens ({"drafter", "recompute", "target"}: the configured
+    adapter's sequence_flops)."""
     full = u.checkpointing is True  # selective checkpointing replays no matmul: no model FLOPs recomputed
     measured = full if run.mfu_recomputed is None else run.mfu_recomputed
     drafter_flops = per["drafter"] * recompute_scale(per, full, measured)

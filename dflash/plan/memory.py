@@ -3,8 +3,8 @@ it (with the run's costs); training refuses up front a data.max_length whose ste
 (dflash.train.fit).
 
 The drafter's dimensions come from a build on the meta device (dflash.plan.configured.shape_of); activations are
-the tensors autograd saves, as model.py, blocks.py and loss.py make them; tests/plan/test_plan.py checks the estimate
-against measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
+the tensors autograd saves, as model.py, attention.py, blocks.py and loss.py make them; tests/plan/test_plan.py checks
+the estimate against measured peaks of real steps on CPU (tests/train/test_long_context.py at 4k tokens). Assumed:
 - float32 parameters, gradients and AdamW moments; under bf16 autocast (train.mixed_precision auto/bf16,
   the GPU default) linear layers and attention compute in bfloat16, the rest in float32; the features
   arrive on the device in their stored dtype and are upcast there, so the residual stream is float32;
@@ -45,6 +45,8 @@ against measured peaks of real steps on CPU (tests/train/test_long_context.py at
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from dflash.tiling import BLOCKS_PER_CHUNK_TOKENS, FLEX_TILE, flex_padded_shape
 
 GiB = 2**30
 MODES = {"no checkpointing": False, "selective checkpointing": "selective", "checkpointing": True}
@@ -125,8 +127,6 @@ def sdpa_mask_bytes(s: Shape, u: Setup) -> int:
     """Bytes of the masks the sdpa path keeps (dflash.drafter.packed_attention.chunked_mask) for one sequence and
     one kind of layer, the anchors spread evenly over [0, ctx_len - 2]: per chunk of blocks an additive float32
     context mask up to its largest anchor and a flag per query, and a bool [B, B] per block."""
-    from dflash.drafter.blocks import BLOCKS_PER_CHUNK_TOKENS
-
     n, size = u.num_anchors, s.block_size
     per, held = max(1, BLOCKS_PER_CHUNK_TOKENS // size), n * size * size
     for first in range(0, n, per):
@@ -144,8 +144,6 @@ BUILD_BYTES = 16  # peak bytes per [query, key tile] entry of packed_block_mask'
 
 def flex_padded(u: Setup) -> Setup:
     """The Setup at the shapes draft_packed pads flex batches to (the context to a multiple of 256)."""
-    from dflash.drafter.blocks import flex_padded_shape
-
     return replace(u, ctx_len=flex_padded_shape(u.ctx_len, u.num_anchors, u.num_anchors)[0])
 
 
@@ -154,8 +152,6 @@ def block_mask_bytes(s: Shape, u: Setup) -> dict[str, int]:
     tensors, kv_num_blocks [b, 1, q_tiles] and kv_indices [b, 1, q_tiles, kv_tiles], the pair for full
     tiles, and the q-side transposes of both ([b, 1, kv_tiles], [b, 1, kv_tiles, q_tiles]); build: the
     temporaries packed_block_mask makes for one; dense before: what create_block_mask held for all."""
-    from dflash.drafter.blocks import FLEX_TILE
-
     u = flex_padded(u)
     q = u.num_anchors * s.block_size
     q_tiles, kv_tiles = -(-q // FLEX_TILE), -(-(u.ctx_len + q) // FLEX_TILE)

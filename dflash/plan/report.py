@@ -9,60 +9,51 @@ size: dflash/plan/costs.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, replace
 
+import torch
+from hydra.errors import HydraException
+from torch import nn
+from transformers import AutoModelForCausalLM
+
 import dflash.plan.costs as costs
+from dflash.cli import fail
+from dflash.config.plan import PlanConfig
+from dflash.drafter.build import build_drafter
+from dflash.errors import ConfigError
 from dflash.plan.compose import compose
+from dflash.plan.configured import (
+    count_prompts,
+    drafter_shape,
+    mfu_of,
+    read_tau,
+    sequence_flops,
+    setup_of,
+    target_config,
+)
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from dflash.plan.configured import active_intermediate, moe_experts, setup_of, shape_of, sliding_window
-from dflash.plan.memory import MODE_WORDS, MODES, GiB, Setup, Shape, block_mask_bytes, choose_checkpointing, \
-    max_anchors, mode_name, peak, terms
-from dflash.plan.targets import target_config
-
-PLAN_KEYS = {"gpu_gb": [80, 141], "world_size": 1, "allowance_gb": 2.0, "fragmentation": 0.1, "sequences": 0,
-             "tokens_per_sequence": 0, "mfu": 0.0, "peak_tflops": 989.0, "disk_tb": 20.0,
-             # the serving section (dflash/plan/serving.py), printed instead of the training plan when concurrency
-             # is given
-             "concurrency": [], "gpu": "h200", "tau": "", "context": 1024, "output_tokens": 512, "overhead_ms": 0.0}
-
-def active_params(model, text) -> int:
-    """Parameters a token runs through: all but the experts it is not routed to (the target forward's FLOPs)."""
-    experts, top_k = moe_experts(text)
-    named = {id(p): (n, p.numel()) for n, p in model.named_parameters()}.values()
-    total = sum(k for _, k in named)
-    if not experts:
-        return total
-    expert = sum(k for n, k in named if ".experts." in n)
-    return total - expert + expert * top_k // experts
-
-
-def drafter_shape(drafter, vocab: int, tied: bool = False, target=None, tensor_parallel: int = 1) -> Shape:
-    """The Shape of a DFlashDraftModel on any device, meta included; `target` (a causal LM, meta included,
-    and its text config) adds what online training and loading need: the target's parameters a GPU holds (its
-    share of a tensor-parallel group of `tensor_parallel`, dflash.target.sharding.sharded_parameters)."""
-    from dflash.target.sharding import sharded_parameters
-
-    extra = {}
-    if target is not None:
-        model, text = target
-        sizes = sorted({id(p): p.numel() for p in model.parameters()}.values(), reverse=True)
-        extra = {"target_params": sharded_parameters(model, tensor_parallel),
-                 "target_intermediate": active_intermediate(text), "target_active_params": active_params(model, text),
-                 "target_largest": tuple(sizes[:costs.LOADER_THREADS]), "target_window": sliding_window(text)}
-    return shape_of(drafter, vocab, tied, **extra)
+from dflash.plan.memory import (
+    MODE_WORDS,
+    MODES,
+    GiB,
+    Setup,
+    Shape,
+    block_mask_bytes,
+    choose_checkpointing,
+    max_anchors,
+    mode_name,
+    peak,
+    terms,
+)
+from dflash.plan.serving import plan_serving, render_serving
+from dflash.target.loading import Target
 
 
 def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: float = 0.1):
     """(drafter on the meta device, Shape, Setup) for the composed config groups in `job`."""
-    import torch
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-
-    from dflash.drafter.build import build_drafter
-    from dflash.target.loading import Target
-
     tcfg, train = job["target"], job["train"]
     text = target_config(tcfg)
     H, V = text.hidden_size, text.vocab_size
@@ -79,22 +70,20 @@ def build(job: dict, world: int = 1, allowance_gb: float = 2.0, fragmentation: f
     return drafter, shape, setup
 
 
-def make_run(job: dict, opts: dict, experiment: str | None = None) -> Run:
+def make_run(job: dict, opts: PlanConfig, experiment: str | None = None) -> Run:
     """The Run the costs are for: the plan keys where given, else the configured data and a measured MFU (the
     experiment preset's own step where a GPU result has it)."""
-    counted = costs.count_prompts(job.get("data", {}))
-    sequences = opts.get("sequences") or counted or PAPER_SEQUENCES
-    where = ("sequences=" if opts.get("sequences") else "data.prompts" if counted
+    counted = count_prompts(job.get("data", {}))
+    sequences = opts.sequences or counted or PAPER_SEQUENCES
+    where = ("sequences=" if opts.sequences else "data.prompts" if counted
              else "the DFlash paper's ~800K: data.prompts is not at hand; sequences=N sets it")
-    tokens = opts.get("tokens_per_sequence") or min(job["max_length"], round(PAPER_TOKENS / PAPER_SEQUENCES))
-    measured = costs.measured_mfu(experiment=experiment)
-    mfu, mfu_where, recomputed = ((opts["mfu"], "mfu=", None) if opts.get("mfu") else measured if measured
-                                  else (costs.ASSUMED_MFU, Run.mfu_where, False))
+    tokens = opts.tokens_per_sequence or min(job["max_length"], round(PAPER_TOKENS / PAPER_SEQUENCES))
+    mfu, mfu_where, recomputed = mfu_of(opts, experiment)
     train = job["train"]
     return Run(sequences=int(sequences), tokens_per_sequence=int(tokens), sequences_where=where,
                epochs=train.epochs, max_steps=train.max_steps, storage=job.get("storage", "bfloat16"),
-               peak_tflops=opts.get("peak_tflops", 989.0), mfu=mfu, mfu_where=mfu_where, mfu_recomputed=recomputed,
-               disk_tb=opts.get("disk_tb", 20.0))
+               peak_tflops=opts.peak_tflops, mfu=mfu, mfu_where=mfu_where, mfu_recomputed=recomputed,
+               disk_tb=opts.disk_tb)
 
 
 def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run: Run | None = None,
@@ -128,7 +117,8 @@ def make_plan(shape: Shape, setup: Setup, gpu_gb: list[float], drafter=None, run
             "cache_tb": cache / 1e12,
             "loading_gib": {k: v / GiB for k, v in costs.loading_bytes(shape, setup.frozen).items()},
             "peak_gib": {m: peak(shape, replace(setup, online=m == "online"))[0] / GiB for m in ("offline", "online")},
-            "gpu_hours": costs.gpu_hours(drafter, shape, setup, run),
+            "gpu_hours": costs.gpu_hours(sequence_flops(drafter, shape, run.tokens_per_sequence, setup.num_anchors),
+                                         shape, setup, run),
             "recommended": [{**r, "peak": r["peak"] and r["peak"] / GiB,
                              "modes": {m: {**f, "peak": f["peak"] and f["peak"] / GiB} for m, f in r["modes"].items()}}
                             for r in costs.recommend(shape, setup, run, cache, gpu_gb)]}
@@ -178,63 +168,57 @@ def render(plan: dict, drafter, title: str) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> tuple[dict, list[str], dict, bool]:
+def parse_args(argv: list[str]) -> tuple[PlanConfig, list[str], dict, bool]:
     """(plan keys, Hydra overrides, compose's config_dir and config_name, --json) from the command line. Like
     train.py's, it takes --config-dir / -cd (a folder of the user's own configs, searched beside conf/) and
     --config-name / -cn (the primary config, train by default), as `--config-dir DIR` or `--config-dir=DIR`."""
-    import argparse
-
-    from dflash.errors import ConfigError
-
     parser = argparse.ArgumentParser(prog="python -m dflash.plan", add_help=False, allow_abbrev=False)
     parser.add_argument("--config-dir", "-cd")
     parser.add_argument("--config-name", "-cn", default="train")
     parser.add_argument("--json", action="store_true")
     flags, rest = parser.parse_known_args(argv)
-    opts, overrides = dict(PLAN_KEYS), []
+    opts, overrides, keys = PlanConfig(), [], PlanConfig.keys()
     for arg in rest:
         key, _, value = arg.partition("=")
         if arg.startswith("-"):  # Hydra would read it as an override and fail on its lexer
             raise ConfigError(f"python -m dflash.plan: {arg} is not an option; it takes train.py's overrides, plan "
-                              f"keys ({', '.join(PLAN_KEYS)}), --config-dir, --config-name and --json")
-        if key in ("gpu_gb", "concurrency"):
-            opts[key] = [float(v) for v in value.strip("[]").split(",") if v.strip()]
-        elif key in PLAN_KEYS:
-            opts[key] = type(PLAN_KEYS[key])(float(value) if isinstance(PLAN_KEYS[key], int) else value)
+                              f"keys ({', '.join(keys)}), --config-dir, --config-name and --json")
+        if key in keys:
+            opts.set(key, value)
         else:
             overrides.append(arg)
     return opts, overrides, {"config_dir": flags.config_dir, "config_name": flags.config_name}, flags.json
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hydra.errors import HydraException
-
-    from dflash.cli import fail
-    from dflash.errors import ConfigError
-
     try:
         opts, overrides, where, as_json = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         fail(e)
     try:
         job = compose(overrides, **where)
-        drafter, shape, setup = build(job, opts["world_size"], opts["allowance_gb"], opts["fragmentation"])
+        drafter, shape, setup = build(job, opts.world_size, opts.allowance_gb, opts.fragmentation)
     except Exception as e:  # a bad override, or a ConfigError (omegaconf wraps those a dataclass check raises)
         cause = next((x for x in (e, e.__cause__, e.__context__) if isinstance(x, (ConfigError, HydraException))), e)
         if cause is e and not isinstance(e, (ConfigError, HydraException)):
             raise
         fail(cause)
-    if opts["concurrency"]:
-        from dflash.plan.serving import plan_serving, render_serving
-
+    if opts.concurrency:
         try:
-            plan = plan_serving(shape, target_config(job["target"]), job["target"].path, opts)
+            text = target_config(job["target"])
+            tau, tau_where = read_tau(opts.tau, job["target"].path, shape.block_size) if opts.tau else (None, None)
+            plan = plan_serving(shape, text, opts, tau, tau_where)
         except ConfigError as e:
             fail(e)
         print(json.dumps(plan, indent=2) if as_json else render_serving(plan))
         return
-    experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))), None)
-    plan = make_plan(shape, setup, opts["gpu_gb"], drafter, make_run(job, opts, experiment),
+    try:
+        experiment = next((o.partition("=")[2] for o in overrides if o.startswith(("experiment=", "+experiment="))),
+                          None)
+        run = make_run(job, opts, experiment)
+    except ConfigError as e:
+        fail(e)
+    plan = make_plan(shape, setup, opts.gpu_gb, drafter, run,
                      auto_checkpointing=job["train"].gradient_checkpointing == "auto")
     flags = ([f"--config-dir {where['config_dir']}"] if where["config_dir"] else []) + (
         [f"--config-name {where['config_name']}"] if where["config_name"] != "train" else [])

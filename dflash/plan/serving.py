@@ -36,6 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash.config.plan import PlanConfig
+from dflash.config.run import SERVING_GPUS
+from dflash.errors import ConfigError
+
 
 @dataclass
 class Forwards:
@@ -125,7 +129,11 @@ class GPU:
 
 GPUS = {"h200": GPU("H200 SXM", 989.0, 4.8), "h100": GPU("H100 SXM", 989.0, 3.35),
         "a100": GPU("A100 SXM 80GB", 312.0, 2.0)}
-"""Published dense bf16 peaks and bandwidths (NVIDIA's data sheets); the efficiencies are assumptions."""
+"""Published dense bf16 peaks and bandwidths (NVIDIA's data sheets); the efficiencies are assumptions. Keyed by
+dflash.config's SERVING_GPUS, which eval.serving_gpu is checked against when the config is built."""
+if tuple(GPUS) != SERVING_GPUS:
+    raise ImportError(f"dflash.plan.serving.GPUS names {tuple(GPUS)} but dflash.config SERVING_GPUS {SERVING_GPUS}: "
+                      f"add the GPU to both")
 
 
 @dataclass
@@ -208,46 +216,6 @@ def drafter_model(shape, layers: int) -> Model:
                  kv_bytes_per_token=layers * 2 * 2 * shape.kv_heads * shape.head_dim)
 
 
-def read_tau(spec: str, target_path: str, block_size: int) -> tuple[float, str]:
-    """tau= of the plan: a number, an evaluation's summary.json (eval/live_tau, else teacher-forced eval/tau), or
-    <references file>:<benchmark> (conf/references/<name>.yaml: the entry for this target and block size)."""
-    import json
-    from pathlib import Path
-
-    from dflash.errors import ConfigError
-
-    try:
-        return float(spec), "given as tau="
-    except ValueError:
-        pass
-    path = Path(spec).expanduser()
-    if path.suffix == ".json":
-        if not path.is_file():
-            raise ConfigError(f"tau={spec}: no such file; give a number, an evaluation's summary.json or "
-                              f"<references>:<benchmark> (e.g. dflash_paper:gsm8k)")
-        metrics = json.loads(path.read_text()).get("metrics", {})
-        for key in ("eval/live_tau", "eval/tau"):
-            if key in metrics:
-                return float(metrics[key]), f"{key} of {path}"
-        raise ConfigError(f"tau={spec}: that summary.json has neither eval/live_tau nor eval/tau")
-    name, _, bench = spec.partition(":")
-    file = Path(name).expanduser() if name.endswith((".yaml", ".yml")) else \
-        Path(__file__).resolve().parents[2] / "conf" / "references" / f"{name}.yaml"
-    if not bench or not file.is_file():
-        raise ConfigError(f"tau={spec}: give a number, an evaluation's summary.json, or <references>:<benchmark> "
-                          f"with a file of conf/references/ (e.g. dflash_paper:gsm8k)")
-    import yaml
-
-    entries = yaml.safe_load(file.read_text())["references"]
-    found = [e for e in entries if e.get("target") == target_path and e.get("block_size") == block_size]
-    if not found or bench not in found[0]["tau"]:
-        have = [f"{e['name']} ({e.get('target')}, block {e.get('block_size')}): {', '.join(e['tau'])}" for e in entries]
-        raise ConfigError(f"tau={spec}: {file.name} has no {bench!r} for target {target_path} at block size "
-                          f"{block_size}; it has {'; '.join(have)}")
-    e = found[0]
-    return float(e["tau"][bench]), f"{e['name']}, {bench}, temperature {e.get('temperature')}: {e['source']}"
-
-
 def needed_tau(c: int, goal: float, tokens: float, block: int, base: Baseline, fw: Forwards) -> float | None:
     """The mean acceptance length a drafter needs for throughput `goal` x the target alone at concurrency c;
     None where even tau = block (every draft accepted) does not reach it."""
@@ -280,30 +248,26 @@ def predict(shape, text, tau: float | None, gpu: str, concurrency: list[int], co
     return out
 
 
-def plan_serving(shape, text, target_path: str, opts: dict) -> dict:
+def plan_serving(shape, text, opts: PlanConfig, tau: float | None = None, where: str | None = None) -> dict:
     """The serving section of the plan: the configured drafter's speedup at each concurrency on opts' GPU (the
-    roofline), and for other block sizes and layer counts the tau each needs to match it."""
-    gpu = GPUS.get(str(opts["gpu"]).lower())
+    roofline), and for other block sizes and layer counts the tau each needs to match it. `tau`: the drafter's
+    acceptance length as read from opts.tau (`where`: what it was read from), None where none is given."""
+    gpu = GPUS.get(str(opts.gpu).lower())
     if gpu is None:
-        from dflash.errors import ConfigError
-
-        raise ConfigError(f"gpu={opts['gpu']}: one of {', '.join(GPUS)}")
-    conc = [int(c) for c in opts["concurrency"]]
-    context, tokens, overhead = int(opts["context"]), float(opts["output_tokens"]), opts["overhead_ms"] / 1e3
+        raise ConfigError(f"gpu={opts.gpu}: one of {', '.join(GPUS)}")
+    conc = [int(c) for c in opts.concurrency]
+    context, tokens, overhead = int(opts.context), float(opts.output_tokens), opts.overhead_ms / 1e3
     target = target_model(text, shape, context)
-    tau, where = read_tau(str(opts["tau"]), target_path, shape.block_size) if opts["tau"] != "" else (None, None)
     if tau is not None and not 1 <= tau <= shape.block_size:  # the model would price another tau than it prints
-        from dflash.errors import ConfigError
-
-        raise ConfigError(f"tau={opts['tau']}: {tau:g} is outside [1, {shape.block_size}]: a step keeps the target's "
+        raise ConfigError(f"tau={opts.tau}: {tau:g} is outside [1, {shape.block_size}]: a step keeps the target's "
                           f"own token and at most the block (drafter.block_size={shape.block_size}); give tau in "
                           f"[1, {shape.block_size}]")
 
     def costs(layers: int, block: int) -> tuple[Baseline, Forwards]:
         return roofline(target, drafter_model(shape, layers), block, block, gpu, conc, context, overhead)
 
-    out = {**predict(shape, text, tau, str(opts["gpu"]), conc, context, tokens, overhead), "concurrency": conc,
-           "overhead_ms": opts["overhead_ms"], "block_size": shape.block_size, "layers": shape.layers, "tau": tau,
+    out = {**predict(shape, text, tau, str(opts.gpu), conc, context, tokens, overhead), "concurrency": conc,
+           "overhead_ms": opts.overhead_ms, "block_size": shape.block_size, "layers": shape.layers, "tau": tau,
            "tau_where": where}
     goal = out["speedup"] if tau is not None else {c: 1.0 for c in conc}
     shapes = []

@@ -1,4 +1,5 @@
-"""The real targets' text configs as published, so that a plan needs no download (`target_config`)."""
+"""The real targets' text configs as published, so that a plan needs no download (dflash.plan.configured.target_config
+builds them)."""
 
 from __future__ import annotations
 
@@ -92,20 +93,3 @@ TARGETS = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}}),
 }
 
-
-def target_config(cfg):
-    """The target's text config: the published dimensions above, else config.json of a local copy."""
-    import transformers
-
-    if cfg.name in TARGETS:
-        cls, dims = TARGETS[cfg.name]
-        return getattr(transformers, cls)(**dims)
-    from dflash.errors import ConfigError
-    from dflash.target.loading import local_model_dir
-
-    folder = local_model_dir(cfg.path, cfg.revision)
-    if folder is None or not (folder / "config.json").exists():
-        raise ConfigError(f"dflash.plan knows no dimensions for target {cfg.name!r} and finds no local copy of "
-                          f"{cfg.path}; add its text config to TARGETS in dflash/plan/targets.py, or point target.path "
-                          f"at a model folder (a built-in target is built by its first use, e.g. by train.py)")
-    return transformers.AutoConfig.from_pretrained(str(folder)).get_text_config()

@@ -8,7 +8,8 @@ more than an 80 GB GPU holds before the first activation (`check_online_fit`). T
 data.max_length, by the memory plan's peak (dflash.plan.memory, what `python -m dflash.plan` prints): activations
 grow with the length, and a 32k-token step can be 10 GiB more than a 3k one (`check_length_fit`). Each run stops
 here naming the figures and the ways out. train.gradient_checkpointing=auto is decided here too, by the same plan
-(`resolve_checkpointing`).
+(`resolve_checkpointing`, once as training starts; the mode is passed down and recorded in run.json, the job is
+never written).
 """
 
 from __future__ import annotations
@@ -141,11 +142,11 @@ def step_plan(job: JobConfig, device: torch.device) -> tuple:
     return budget, (None if budget is None else planned_step(job))
 
 
-def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | None = None) -> bool | str:
-    """train.gradient_checkpointing=auto made false, selective or true for `device` (memory.choose_checkpointing: off
-    where the planned step fits without, else selective where that fits, else full; off on CPU, or when the drafter
-    cannot be planned before loading), in job.train, with one line saying which and why. Other values stay as they
-    are. plan: `step_plan`'s."""
+def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | None = None) -> str:
+    """The gradient checkpointing mode training runs with on `device` (off, selective or full): the configured one,
+    or for train.gradient_checkpointing=auto the plan's choice (memory.choose_checkpointing: off where the planned step
+    fits without, else selective where that fits, else full; off on CPU, or when the drafter cannot be planned
+    before loading), with one line saying which and why. job is not changed. plan: `step_plan`'s."""
     if job.train.gradient_checkpointing != "auto":
         return job.train.gradient_checkpointing
     budget, planned = plan or step_plan(job, device)
@@ -153,21 +154,20 @@ def resolve_checkpointing(job: JobConfig, device: torch.device, plan: tuple | No
         mode, why = False, "off (drafter.init_from has no config.json yet: the step cannot be planned)"
     else:
         mode, why = memory.choose_checkpointing(*(planned or (None, None)), budget)
-    job.train.gradient_checkpointing = mode
     log.info("train.gradient_checkpointing=auto on %s: %s", device, why)
-    return mode
+    return memory.MODE_WORDS[mode]
 
 
-def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = None) -> None:
+def check_length_fit(job: JobConfig, device: torch.device, checkpointing: str, plan: tuple | None = None) -> None:
     """Refuse a data.max_length whose step the memory plan says does not fit `device` (CUDA devices only), in one
     line: the planned peak, the device's memory and the fixes with their figures (the longest data.max_length and
-    the most train.num_anchors that fit, gradient checkpointing, FSDP). plan: `step_plan`'s, made before
-    resolve_checkpointing: the step is judged with the checkpointing job.train now holds."""
+    the most train.num_anchors that fit, gradient checkpointing, FSDP). checkpointing: the resolved mode (off,
+    selective or full: `resolve_checkpointing`'s) the step is judged with; plan: `step_plan`'s."""
     budget, planned = plan or step_plan(job, device)
     if planned is None:
         return
     shape, setup = planned
-    setup = replace(setup, checkpointing=configured.checkpointing_of(job.train.gradient_checkpointing))
+    setup = replace(setup, checkpointing=configured.checkpointing_of(checkpointing))
     need, phase = memory.peak(shape, setup)
     if need <= budget:
         return
@@ -184,7 +184,7 @@ def check_length_fit(job: JobConfig, device: torch.device, plan: tuple | None = 
         fixes.append(f"train.gradient_checkpointing=selective (peak "
                      f"{gib_at(shape, setup, checkpointing='selective')})")
     if setup.checkpointing is not True:
-        fixes.append(f"train.gradient_checkpointing=true (peak {gib_at(shape, setup, checkpointing=True)})")
+        fixes.append(f"train.gradient_checkpointing=full (peak {gib_at(shape, setup, checkpointing=True)})")
     if not setup.sharded and setup.world > 1:
         fixes.append(f"train.distributed=fsdp (peak {gib_at(shape, setup, distributed='fsdp')})")
     raise ConfigError(f"data.max_length={setup.ctx_len}: a training step of that length is planned to peak at "

@@ -36,6 +36,7 @@ from dflash.train import checkpoints as ckpt
 from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
 from dflash.train.batches import MicroBatches, Schedule
 from dflash.train.optim import build_optimizer, build_scheduler, check_optimizer
+from dflash.train.fit import resolve_checkpointing, step_plan
 from dflash.train.sources import keep_heads_only, training_source, training_target
 from dflash.train.step import train_step, window_totals
 
@@ -65,6 +66,8 @@ class Model:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
+    conv_kernel: str = "torch"
+    """What DFlash 2's convolutions run through (train.conv_kernel resolved: torch or triton)."""
     after_step: object = None
     """Called after every optimizer step: the selector's CodebookSpan (loss.selector_span not free), or None."""
 
@@ -90,8 +93,14 @@ def train(job: JobConfig) -> Path:
     if resumed:  # before any data work: a checkpoint this run cannot continue stops here
         ckpt.check_resumable(resume_from, resumed["state"], "fsdp" if is_fsdp(acc) else "ddp", acc.num_processes)
 
+    # the modes the job leaves to the device, decided once here and passed down (the job is never written)
+    plan = step_plan(job, acc.device)
+    checkpointing = resolve_checkpointing(job, acc.device, plan)
+    if acc.is_main_process:
+        record_run(run, gradient_checkpointing=checkpointing)
+
     # data: the training source and the held-out set (the full target only while extracting)
-    target, layer_ids = training_target(job, acc.device)
+    target, layer_ids = training_target(job, acc.device, checkpointing, plan)
     source, manifest = training_source(job, target, layer_ids, dist)
     heldout.prepare(job, target, layer_ids, dist)
     heldout_set = heldout.load(job, target, layer_ids) if acc.is_main_process else None
@@ -118,12 +127,12 @@ def train(job: JobConfig) -> Path:
                         shares(job.data, [source.id_of(i) for i in range(len(source))]))
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
     state = TrainState(total_steps=total)
-    m = prepare_model(job, acc, drafter, total, resumed, state)
+    m = prepare_model(job, acc, drafter, total, resumed, state, checkpointing)
     if drafter.kind == "dflash2" and job.loss.selector_span != "free":
         m.after_step = CodebookSpan(drafter.candidate_selector, target.embed_tokens.weight,
                                     target.lm_head.weight if job.loss.selector_span == "embedding" else None)
     if drafter.kind == "dflash2" and acc.is_main_process:  # which convolution this process trained with
-        record_run(run, conv_kernel=job.train.conv_kernel)
+        record_run(run, conv_kernel=m.conv_kernel)
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
@@ -212,10 +221,12 @@ def open_run(job: JobConfig, acc) -> RunLayout:
     return run
 
 
-def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None, state: TrainState) -> Model:
-    """Optimizer and schedule, checkpointing, compile, accelerate wrappers; when resuming, the optimizer,
-    schedule and every process's RNG come back through accelerate's load_state (after prepare: under FSDP
-    the optimizer state is loaded into the shards)."""
+def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None, state: TrainState,
+                  checkpointing: str) -> Model:
+    """Optimizer and schedule, checkpointing (`checkpointing`: off, selective or full, as resolved), compile,
+    DFlash 2's convolution kernel, accelerate wrappers; when resuming, the optimizer, schedule and every process's RNG
+    come back through accelerate's load_state (after prepare: under FSDP the optimizer state is loaded into the
+    shards)."""
     optimizer = build_optimizer(drafter, job.optim, codebook_decay=job.loss.selector_decay)
     scheduler = build_scheduler(optimizer, total, job.optim)
     format1 = bool(resumed) and ckpt.train_state_format(resumed["state"]) == 1
@@ -224,11 +235,9 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
         scheduler.load_state_dict(resumed["scheduler"])
     if resumed:
         state.step, state.best_tau = resumed["state"]["step"], resumed["state"].get("best_tau")
-    # auto is false, selective or true by now (fit.resolve_checkpointing)
-    use_checkpointing(drafter, job.train.gradient_checkpointing)
-    job.train.conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device,  # recorded as resolved
-                                            compiled=bool(job.train.compile))
-    model = torch.compile(drafter) if job.train.compile is True else drafter
+    use_checkpointing(drafter, checkpointing)
+    conv_kernel = use_conv_kernel(drafter, job.train.conv_kernel, acc.device, compiled=job.train.compile != "off")
+    model = torch.compile(drafter) if job.train.compile == "model" else drafter
     if job.train.compile == "layers":
         compile_layers(drafter)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
@@ -245,7 +254,7 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
         except Exception as e:
             raise CheckpointError(f"cannot read the training state in {resumed['train_state']} ({e}); it is "
                                   f"corrupt. Resume from another checkpoint") from e
-    return Model(drafter, model, optimizer, scheduler)
+    return Model(drafter, model, optimizer, scheduler, conv_kernel)
 
 
 def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_epoch: int) -> dict:
@@ -268,7 +277,7 @@ def log_window(acc, logger: RunLogger, m: Model, state: TrainState, steps_per_ep
                                          if k.startswith(f"{part}_")}, f"train/{part}"))
         oracle = w["counts"]
         out["train/topk_recall"] = float(oracle["oracle_correct"].sum() / oracle["oracle_valid"].sum().clamp_min(1))
-    if flex_compile_count():  # bounded by the length buckets (see dflash.drafter.blocks.flex_padded_shape)
+    if flex_compile_count():  # bounded by the length buckets (see dflash.tiling.flex_padded_shape)
         out["train/flex_compiles"] = flex_compile_count()
     logger.log(out, state.step)
     state.window = {}

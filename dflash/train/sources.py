@@ -25,22 +25,22 @@ from dflash.provenance import check_provenance, differences, features_manifest, 
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.train.batches import CachedSource, SequenceSource
-from dflash.train.fit import check_length_fit, check_online_fit, resolve_checkpointing, step_plan
+from dflash.train.fit import check_length_fit, check_online_fit
 
 log = logging.getLogger(__name__)
 
 
-def training_target(job: JobConfig, device: torch.device) -> tuple[Target, list[int]]:
+def training_target(job: JobConfig, device: torch.device, checkpointing: str,
+                    plan: tuple | None = None) -> tuple[Target, list[int]]:
     """The target as training needs it, and the layer ids the drafter reads. Offline training with
     a complete feature cache and held-out set needs only embed_tokens and lm_head; anything still
     to extract (or online mode) needs the whole model: online, on every process's device beside the
-    drafter, refused before loading when it cannot fit there, as is a data.max_length whose step cannot."""
+    drafter, refused before loading when it cannot fit there, as is a data.max_length whose step cannot with
+    `checkpointing` (the resolved mode, dflash.train.fit.resolve_checkpointing; plan: its step_plan)."""
     offline = job.train.mode == "offline"
     if not offline:
         check_online_fit(job, device)
-    plan = step_plan(job, device)
-    resolve_checkpointing(job, device, plan)  # auto -> false, selective or true (the plan), before the length check
-    check_length_fit(job, device, plan)
+    check_length_fit(job, device, checkpointing, plan)
     target = load_target(job.target, device, heads_only=offline)
     layer_ids = resolve_layer_ids(job.layers, target.num_layers)
     if target.model is None and not (fcache.is_complete(job.features.dir)

@@ -50,7 +50,7 @@ def test_flex_lengths_run_the_recipe_first_and_project_a_compile_from_the_last_o
     from bench.gpu import next_cost
     from bench.gpu_checks import FLEX_LENGTHS
     from bench.gpu_verdicts import RECIPE_LENGTH
-    from dflash.drafter.blocks import flex_padded_shape
+    from dflash.tiling import flex_padded_shape
 
     assert FLEX_LENGTHS[:2] == [RECIPE_LENGTH, 4096]
     shapes = [flex_padded_shape(L, 512, 512) for L in FLEX_LENGTHS]
@@ -100,7 +100,7 @@ def test_flex_check_fails_when_a_compiled_shape_recompiles(monkeypatch, keyed_on
     old check compared dflash's flex count with the number of shapes it is keyed on: always equal.)"""
     from bench import gpu
     from bench.gpu_checks import flex_verdict
-    from dflash.drafter.blocks import flex_padded_shape
+    from dflash.tiling import flex_padded_shape
 
     torch._dynamo.reset()  # the lambda's code is the same in both cases: start without its graphs
     compiled = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)

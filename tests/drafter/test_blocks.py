@@ -120,8 +120,8 @@ def test_flex_attention_path_matches_the_dense_path_on_cpu():
 
 
 def test_flex_shapes_are_padded_into_buckets():
-    from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE as M
-    from dflash.drafter.blocks import flex_padded_shape
+    from dflash.tiling import FLEX_LENGTH_MULTIPLE as M
+    from dflash.tiling import flex_padded_shape
 
     assert flex_padded_shape(1, 1) == (M, 1)
     assert flex_padded_shape(M, 5) == (M, 8)
@@ -140,8 +140,8 @@ def test_compiled_flex_forward_compiles_once_per_bucket_over_varying_batches(cap
     from torch._dynamo.utils import counters
 
     from dflash.drafter import attention
-    from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE as M
-    from dflash.drafter.blocks import flex_padded_shape
+    from dflash.tiling import FLEX_LENGTH_MULTIPLE as M
+    from dflash.tiling import flex_padded_shape
 
     torch._dynamo.reset()
     attention._flex_shapes.clear()
@@ -230,7 +230,7 @@ def test_flex_gets_one_dtype_under_autocast(monkeypatch):
         seen.append({q.dtype, k.dtype, v.dtype})
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(drafter_model, "_compiled_flex", fake_flex)
+    monkeypatch.setattr(attention, "_compiled_flex", fake_flex)
     drafter = make_drafter(["sliding_attention", "full_attention"], 6)
     ids, feats = _seq()
     blocks = pack_blocks(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([30]), [torch.tensor([1, 7])], B,
@@ -256,7 +256,8 @@ MASK_CASES = {
 
 def _mask_case(name):
     """(PackedBlocks, window, expect full tiles) of a MASK_CASES entry; padded as draft_packed pads for flex."""
-    from dflash.drafter.blocks import flex_padded_shape, pad_packed
+    from dflash.drafter.blocks import pad_packed
+    from dflash.tiling import flex_padded_shape
 
     L, anchors, block, window, pad, has_full = MASK_CASES[name]
     b = len(anchors)
@@ -331,7 +332,8 @@ def test_block_mask_of_a_large_layout_never_builds_the_dense_mask(monkeypatch):
     import torch.nn.attention.flex_attention as flex_module
 
     from bench.measure import TensorPeak
-    from dflash.drafter.blocks import FLEX_TILE, packed_attention_masks
+    from dflash.drafter.blocks import packed_attention_masks
+    from dflash.tiling import FLEX_TILE
 
     def dense(*args, **kwargs):
         raise AssertionError("the flex mask path built the dense [q, kv] mask")

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from dflash import plan
 from dflash.drafter.build import build_drafter
 from dflash.errors import ConfigError
 from dflash.evaluate.live import live_eval
 from dflash.evaluate.summary import print_summary
+from dflash.plan.report import main
 from tests.conftest import compose
 
 SHAPE = ["target=tiny_qwen3", "drafter.num_layers=2", "drafter.block_size=4", "layers.num=2"]
@@ -30,8 +30,8 @@ def test_live_summary_predicts_the_plans_speedup_at_each_concurrency(tiny_target
     assert [m[f"eval/live_serving@{c}_speedup"] for c in (1, 8, 32)] == list(served["speedup"].values())
     # the plan, from the config alone (a meta drafter, the target's config), with tau read from the summary
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    plan.main([*SHAPE, "concurrency=[1,8,32]", "gpu=h100", f"tau={tmp_path / 'summary.json'}",
-               f"context={served['context']}", f"output_tokens={served['output_tokens']}", "--json"])
+    main([*SHAPE, "concurrency=[1,8,32]", "gpu=h100", f"tau={tmp_path / 'summary.json'}",
+          f"context={served['context']}", f"output_tokens={served['output_tokens']}", "--json"])
     planned = json.loads(capsys.readouterr().out)
     assert planned["tau_where"].startswith("eval/live_tau of")
     for c in (1, 8, 32):

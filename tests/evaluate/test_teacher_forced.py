@@ -5,9 +5,9 @@ import torch
 
 from dflash.config import DrafterConfig, EvalConfig, LayersConfig
 from dflash.drafter.attention import flex_compile_count
-from dflash.drafter.blocks import FLEX_LENGTH_MULTIPLE
 from dflash.drafter.build import build_drafter
 from dflash.evaluate.teacher_forced import ANCHORS_PER_FORWARD, teacher_forced
+from dflash.tiling import FLEX_LENGTH_MULTIPLE
 
 
 class SyntheticSet:

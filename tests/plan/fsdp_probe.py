@@ -18,8 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bench.measure import TensorPeak
 from dflash.config import OptimConfig
 from dflash.drafter.blocks import draft_packed, pack_blocks
-from dflash.drafter.loss import block_loss
 from dflash.drafter.build import drafter_config
+from dflash.drafter.loss import block_loss
 from dflash.drafter.model import DFlashDraftModel
 from dflash.train import accel
 from dflash.train.optim import build_optimizer

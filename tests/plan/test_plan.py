@@ -7,23 +7,26 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash import plan
 from bench.measure import TensorPeak
 from dflash.config import OptimConfig
 from dflash.drafter.blocks import draft_packed, pack_blocks
-from dflash.drafter.build import build_drafter
+from dflash.drafter.build import build_drafter, drafter_config
 from dflash.drafter.loss import block_terms
-from dflash.drafter.build import drafter_config
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.recompute import use_checkpointing
+from dflash.plan.compose import compose
+from dflash.plan.configured import active_intermediate, active_params, drafter_shape, moe_experts, target_config
+from dflash.plan.memory import (DENSE_MASK_BYTES, MODE_WORDS, PERSISTENT, GiB, Setup, block_mask_bytes, flex_padded,
+                                peak, terms)
+from dflash.plan.report import build, main, make_plan, render
 from dflash.train.optim import build_optimizer
 
 
 @pytest.mark.parametrize("experiment", ["qwen3_8b", "qwen3_6_27b"])
 def test_plan_of_the_real_targets_builds_on_meta_and_is_sane(experiment):
     offline = [f"experiment={experiment}", "train.mode=offline", "train.distributed=ddp",
-               "train.gradient_checkpointing=false"]
-    drafter, shape, setup = plan.build(plan.compose(offline))
+               "train.gradient_checkpointing=off"]
+    drafter, shape, setup = build(compose(offline))
     assert all(p.device.type == "meta" for p in drafter.parameters())
     if experiment == "qwen3_8b":  # 5 Qwen3-8B-wide layers, fc from 5 target layers, two norms
         layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 128 + 2 * 4096
@@ -31,7 +34,7 @@ def test_plan_of_the_real_targets_builds_on_meta_and_is_sane(experiment):
     assert (shape.hidden, shape.vocab, shape.block_size, setup.num_anchors, setup.ctx_len) == (
         {"qwen3_8b": 4096, "qwen3_6_27b": 5120}[experiment], {"qwen3_8b": 151936, "qwen3_6_27b": 248320}[experiment],
         16, 512, {"qwen3_8b": 3072, "qwen3_6_27b": 32768}[experiment])  # the recipe's length; long context
-    out = plan.make_plan(shape, setup, [24, 40, 80, 141])
+    out = make_plan(shape, setup, [24, 40, 80, 141])
     t = out["terms_gib"]
     assert t["gradients (fp32)"] == t["drafter parameters (fp32)"] == t["AdamW state (2 x fp32)"] / 2
     assert t["activations, checkpointing"] < t["activations, no checkpointing"]
@@ -39,36 +42,36 @@ def test_plan_of_the_real_targets_builds_on_meta_and_is_sane(experiment):
     anchors = [g["max_num_anchors"]["no checkpointing"] for g in out["gpus"]]
     assert anchors == sorted(anchors) and anchors[2] > 512
     assert all(g["max_num_anchors"]["checkpointing"] >= g["max_num_anchors"]["no checkpointing"] for g in out["gpus"])
-    at_max = plan.peak(shape, replace(setup, num_anchors=anchors[2]))[0]
-    assert at_max <= 80 * plan.GiB < plan.peak(shape, replace(setup, num_anchors=anchors[2] + 1))[0]
+    at_max = peak(shape, replace(setup, num_anchors=anchors[2]))[0]
+    assert at_max <= 80 * GiB < peak(shape, replace(setup, num_anchors=anchors[2] + 1))[0]
 
 
 def test_plan_sharding_and_the_command_line(capsys):
-    job = plan.compose(["experiment=qwen3_6_27b", "train.mode=offline", "train.distributed=ddp",
-                        "target.tensor_parallel=1"])  # the whole target on each GPU
-    _, shape, ddp = plan.build(job, world=8)
-    _, _, fsdp = plan.build({**job, "train": replace(job["train"], distributed="fsdp")}, world=8)
-    t_ddp, t_fsdp = plan.terms(shape, ddp), plan.terms(shape, fsdp)
+    job = compose(["experiment=qwen3_6_27b", "train.mode=offline", "train.distributed=ddp",
+                   "target.tensor_parallel=1"])  # the whole target on each GPU
+    _, shape, ddp = build(job, world=8)
+    _, _, fsdp = build({**job, "train": replace(job["train"], distributed="fsdp")}, world=8)
+    t_ddp, t_fsdp = terms(shape, ddp), terms(shape, fsdp)
     assert t_fsdp["AdamW state (2 x fp32)"] == t_ddp["AdamW state (2 x fp32)"] / 8
     assert t_ddp["DDP gradient buckets"] == t_ddp["gradients (fp32)"] and t_fsdp["DDP gradient buckets"] == 0
-    _, online, setup = plan.build({**job, "train": replace(job["train"], mode="online")})
-    assert 26e9 < online.target_params < 28e9 and plan.terms(online, setup)["target model (online)"] > 50e9
+    _, online, setup = build({**job, "train": replace(job["train"], mode="online")})
+    assert 26e9 < online.target_params < 28e9 and terms(online, setup)["target model (online)"] > 50e9
 
-    plan.main(["experiment=qwen3_8b", "train.num_anchors=1024", "gpu_gb=[80,141]", "--json"])
+    main(["experiment=qwen3_8b", "train.num_anchors=1024", "gpu_gb=[80,141]", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["setup"]["num_anchors"] == 1024 and [g["gpu_gib"] for g in out["gpus"]] == [80, 141]
-    plan.main(["experiment=qwen3_8b", "gpu_gb=48"])
+    main(["experiment=qwen3_8b", "gpu_gb=48"])
     text = capsys.readouterr().out
     assert "loss logits buffer" in text and "48 GiB" in text
 
 
 def test_parameters_counted_on_meta_equal_a_real_drafter(tiny_targets):
-    job = plan.compose(["target=tiny_qwen3", "drafter=tiny", "train.mixed_precision=no"])
-    _, shape, setup = plan.build(job)
+    job = compose(["target=tiny_qwen3", "drafter=tiny", "train.mixed_precision=no"])
+    _, shape, setup = build(job)
     real = build_drafter(job["drafter"], job["layers"], tiny_targets["tiny_qwen3"])
     assert shape.params == sum(p.numel() for p in real.parameters()) > 0
     loaded = tiny_targets["tiny_qwen3"]  # the target built on meta counts what loading it gives
-    assert plan.drafter_shape(real, shape.vocab, shape.tied, (loaded.model, loaded.config)) == shape
+    assert drafter_shape(real, shape.vocab, shape.tied, (loaded.model, loaded.config)) == shape
     assert shape.target_params == sum(p.numel() for p in loaded.model.parameters())
     assert setup.compute == 4 and setup.frozen == 4  # the tiny target is float32
 
@@ -86,7 +89,7 @@ def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, 
                             dflash2={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32,
                                      "selector_top_k": 8} if dflash2 else None)
     drafter = DFlashDraftModel(config).float().train()
-    use_checkpointing(drafter, checkpointing)  # as loop.py turns it on
+    use_checkpointing(drafter, MODE_WORDS[checkpointing])  # as loop.py turns it on
     frozen = torch.bfloat16 if autocast else torch.float32
     embed = torch.nn.Embedding(vocab, H).to(frozen).requires_grad_(False)
     head = torch.nn.Linear(H, vocab, bias=False).to(frozen).requires_grad_(False)
@@ -114,11 +117,11 @@ def measured_step(H, L, N, *, heads, kv, head_dim, inter, layers, block, vocab, 
                   *[v for state in optimizer.state.values() for v in state.values()],
                   *[v for v in vars(blocks).values() if torch.is_tensor(v)])
         step()
-    setup = plan.Setup(ctx_len=L, num_anchors=N, grad_accum=grad_accum, compute=2 if autocast else 4,
-                       frozen=2 if autocast else 4,
-                       backend="sdpa", checkpointing=checkpointing, chunk_logits=chunk, foreach=False,
-                       allowance=0, fragmentation=0)
-    return mem.peak, plan.drafter_shape(drafter, vocab), setup
+    setup = Setup(ctx_len=L, num_anchors=N, grad_accum=grad_accum, compute=2 if autocast else 4,
+                  frozen=2 if autocast else 4,
+                  backend="sdpa", checkpointing=checkpointing, chunk_logits=chunk, foreach=False,
+                  allowance=0, fragmentation=0)
+    return mem.peak, drafter_shape(drafter, vocab), setup
 
 
 SHAPES = {  # three float32 shapes: unchunked and chunked loss, one to three chunks of blocks, a sliding layer
@@ -145,7 +148,7 @@ CASES = {**{name: (name, {}) for name in SHAPES},
 def test_estimate_matches_the_measured_peak_on_cpu(case):
     shape_name, extra = CASES[case]
     measured, shape, setup = measured_step(**SHAPES[shape_name], **extra)
-    estimate, phase = plan.peak(shape, setup)
+    estimate, phase = peak(shape, setup)
     print(f"{case}: measured {measured / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB ({phase}), "
           f"ratio {estimate / measured:.3f}")
     assert abs(estimate / measured - 1) < 0.15
@@ -158,9 +161,9 @@ def test_block_mask_bytes_are_those_of_the_real_block_masks():
     nothing [queries, keys] is made); the dense figure is what it replaced (7.2 GiB)."""
     from dflash.drafter.blocks import packed_block_mask
 
-    drafter, shape, setup = plan.build(plan.compose(["experiment=qwen3_6_27b"]))
+    drafter, shape, setup = build(compose(["experiment=qwen3_6_27b"]))
     assert shape.layer_types == ("full_attention", "sliding_attention") and setup.backend == "flex"
-    n, size, L = setup.num_anchors, shape.block_size, plan.flex_padded(setup).ctx_len
+    n, size, L = setup.num_anchors, shape.block_size, flex_padded(setup).ctx_len
     anchors = torch.linspace(0, L - 2, n).round().long()[None]
     assert L == 32768 and n == 512
     kept = 0
@@ -170,17 +173,17 @@ def test_block_mask_bytes_are_those_of_the_real_block_masks():
         kept += sum(getattr(mask, k).numel() * 4 for k in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                     "full_kv_indices", "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"))
         assert mem.largest[1] == (1, n * size, (L + n * size) // 128)  # [b, queries, key tiles]
-    got = plan.block_mask_bytes(shape, setup)
+    got = block_mask_bytes(shape, setup)
     assert got["kept"] == kept < 2**20
     assert abs(got["build"] / mem.peak - 1) < 0.1
     assert got["dense before"] == n * size * (L + n * size) * (3 + 20) > 1000 * kept
-    assert plan.terms(shape, setup)["flex block masks"] == kept and "flex block masks" in plan.PERSISTENT
+    assert terms(shape, setup)["flex block masks"] == kept and "flex block masks" in PERSISTENT
     sdpa = replace(setup, backend="sdpa")
-    assert plan.terms(shape, sdpa)["flex block masks"] == 0 and not plan.make_plan(shape, sdpa, [80])[
+    assert terms(shape, sdpa)["flex block masks"] == 0 and not make_plan(shape, sdpa, [80])[
         "block_mask_bytes_per_sequence"]
-    out = plan.make_plan(shape, replace(setup, batch=2), [80])
+    out = make_plan(shape, replace(setup, batch=2), [80])
     assert out["block_mask_bytes_per_sequence"] == got  # per sequence: a batch of 2 holds twice as much
-    assert "block masks a sequence: 0.63 MiB kept" in plan.render(plan.make_plan(shape, setup, [80]), drafter, "x")
+    assert "block masks a sequence: 0.63 MiB kept" in render(make_plan(shape, setup, [80]), drafter, "x")
 
 
 @pytest.mark.parametrize("window", [None, 256])
@@ -194,19 +197,19 @@ def test_dense_mask_bytes_are_what_create_block_mask_holds(window):
     mod = make_mask_mod(torch.linspace(0, L - 2, n).round().long()[None], L, size, window)
     with TensorPeak() as mem:
         create_block_mask(mod, B=1, H=None, Q_LEN=n * size, KV_LEN=L + n * size, device="cpu")
-    expected = plan.DENSE_MASK_BYTES["full_attention" if window is None else "sliding_attention"]
+    expected = DENSE_MASK_BYTES["full_attention" if window is None else "sliding_attention"]
     assert abs(mem.peak / (n * size * (L + n * size)) / expected - 1) < 0.1
 
 
 def test_online_counts_the_targets_embed_and_lm_head_once():
     """Online, the drafter borrows the target's own embed_tokens and lm_head: they are inside the whole
     target's 50.1 GiB (unsharded), not 4.7 GiB more beside it."""
-    job = plan.compose(["experiment=qwen3_6_27b", "train.distributed=ddp", "target.tensor_parallel=1"])
-    _, shape, setup = plan.build(job, world=8)
-    offline, online = plan.terms(shape, replace(setup, online=False)), plan.terms(shape, replace(setup, online=True))
+    job = compose(["experiment=qwen3_6_27b", "train.distributed=ddp", "target.tensor_parallel=1"])
+    _, shape, setup = build(job, world=8)
+    offline, online = terms(shape, replace(setup, online=False)), terms(shape, replace(setup, online=True))
     assert shape.heads_params == 2 * 248320 * 5120 and offline["frozen embed + lm_head"] == shape.heads_params * 2
     assert online["frozen embed + lm_head"] == 0 and online["target model (online)"] == shape.target_params * 2
-    kept = lambda t: sum(t[k] for k in plan.PERSISTENT)
+    kept = lambda t: sum(t[k] for k in PERSISTENT)
     assert kept(online) - kept(offline) == (shape.target_params - shape.heads_params) * 2  # 45.4 GiB, not 50.1
 
 
@@ -224,19 +227,19 @@ def test_fsdp_terms_are_what_accel_sets_up():
     assert (policy.param_dtype, policy.reduce_dtype) == (None, None)  # the parameters' own dtype: float32
     assert DFlashDraftModel._no_split_modules == ["DFlashDecoderLayer"]
 
-    job = plan.compose(["experiment=qwen3_6_27b", "train.distributed=fsdp"])
-    _, s, u = plan.build(job, world=8)
+    job = compose(["experiment=qwen3_6_27b", "train.distributed=fsdp"])
+    _, s, u = build(job, world=8)
     assert s.root_params == 5 * 5120 * 5120 + 2 * 5120  # fc, hidden_norm, norm
-    t = plan.terms(s, u)
+    t = terms(s, u)
     assert t["drafter parameters (fp32)"] == t["gradients (fp32)"] == s.params * 4 / 8
     assert t["FSDP gathered parameters (fp32)"] == (s.root_params + 2 * s.layer_params) * 4 < s.params * 2
     assert t["FSDP gradients before reduce-scatter"] == 2 * s.layer_params * 4
     assert t["autocast weight copies (bf16)"] == s.params * 2 and t["gradients kept between micro-batches"] == 0
-    fp32 = plan.terms(s, replace(u, compute=4))
+    fp32 = terms(s, replace(u, compute=4))
     assert fp32["autocast weight copies (bf16)"] == 0 and fp32["FSDP gathered parameters (fp32)"] == t[
         "FSDP gathered parameters (fp32)"]
-    assert plan.terms(s, replace(u, grad_accum=4))["gradients kept between micro-batches"] == s.params * 4
-    one = plan.terms(s, replace(u, world=1))  # accelerate trains FSDP on one process unsharded, as DDP
+    assert terms(s, replace(u, grad_accum=4))["gradients kept between micro-batches"] == s.params * 4
+    one = terms(s, replace(u, world=1))  # accelerate trains FSDP on one process unsharded, as DDP
     assert one["FSDP gathered parameters (fp32)"] == 0 and one["drafter parameters (fp32)"] == s.params * 4
 
 
@@ -250,15 +253,15 @@ def test_the_drafters_state_is_what_fit_counts():
     from dflash.target.placement import ALLOWANCE
     from dflash.train import fit
 
-    job = plan.compose(["experiment=qwen3_6_27b", "target.tensor_parallel=1"])
-    _, s, u = plan.build(job, world=8)
+    job = compose(["experiment=qwen3_6_27b", "target.tensor_parallel=1"])
+    _, s, u = build(job, world=8)
     for distributed in ("ddp", "fsdp"):
-        t = plan.terms(s, replace(u, distributed=distributed))
+        t = terms(s, replace(u, distributed=distributed))
         mine = t["drafter parameters (fp32)"] + t["gradients (fp32)"] + t["AdamW state (2 x fp32)"]
         mine += t["DDP gradient buckets"] if distributed == "ddp" else t["autocast weight copies (bf16)"]
         cfg = SimpleNamespace(train=SimpleNamespace(distributed=distributed, mixed_precision="auto"))
         assert mine == fit.drafter_state(cfg, s.params, 8)[0]
-        before = (t["target model (online)"] + mine + ALLOWANCE) / plan.GiB
+        before = (t["target model (online)"] + mine + ALLOWANCE) / GiB
         assert round(before, 1) == {"ddp": 86.3, "fsdp": 58.9}[distributed]  # fit's figures, vs 79.2 GiB
 
 
@@ -283,11 +286,11 @@ def test_fsdp_estimate_matches_a_measured_two_process_step(tmp_path, precision):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     config = drafter_config(Qwen3Config(**DIMS), num_layers=LAYERS, block_size=BLOCK,
                             target_layer_ids=list(range(N_TARGET)), mask_token_id=DIMS["vocab_size"] - 1)
-    shape = plan.drafter_shape(DFlashDraftModel(config), DIMS["vocab_size"])
+    shape = drafter_shape(DFlashDraftModel(config), DIMS["vocab_size"])
     a = 2 if precision == "bf16" else 4
-    setup = plan.Setup(ctx_len=LENGTH, num_anchors=ANCHORS, compute=a, frozen=a, backend="sdpa", chunk_logits=0,
-                       foreach=False, world=2, distributed="fsdp", allowance=0, fragmentation=0)
-    estimate, phase = plan.peak(shape, setup)
+    setup = Setup(ctx_len=LENGTH, num_anchors=ANCHORS, compute=a, frozen=a, backend="sdpa", chunk_logits=0,
+                  foreach=False, world=2, distributed="fsdp", allowance=0, fragmentation=0)
+    estimate, phase = peak(shape, setup)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"peak-{rank}.json").read_text())
         assert got["world"] == 2 and got["sharded"] == "DTensor"
@@ -320,9 +323,9 @@ def test_plan_of_the_published_drafters_targets(experiment):
     download) at the published drafter's shape, and gets a plan whose configured set-up fits 80 GB GPUs
     (tests/plan/test_costs.py checks that it is the plan's recommendation and that the preset quotes it)."""
     T, H, V, tied, layers, block, heads, kv, hd, mlp, sliding, window, ids = PUBLISHED[experiment]
-    job = plan.compose([f"experiment={experiment}"])
-    assert job["target"].num_layers == T and plan.target_config(job["target"]).num_hidden_layers == T
-    drafter, shape, setup = plan.build(job, world=8)
+    job = compose([f"experiment={experiment}"])
+    assert job["target"].num_layers == T and target_config(job["target"]).num_hidden_layers == T
+    drafter, shape, setup = build(job, world=8)
     assert all(p.device.type == "meta" for p in drafter.parameters())
     assert drafter.target_layer_ids == ids and drafter.block_size == block
     assert drafter.layer_types.count("sliding_attention") == sliding and drafter.config.sliding_window == window
@@ -337,13 +340,13 @@ def test_plan_of_the_published_drafters_targets(experiment):
     assert shape.params == layers * shape.layer_params + len(ids) * H * H + 2 * H  # + fc, hidden_norm, norm
     total, active = TARGET_PARAMS[experiment]
     tp = job["target"].tensor_parallel
-    whole = plan.build(plan.compose([f"experiment={experiment}", "target.tensor_parallel=1"]), world=8)[1]
+    whole = build(compose([f"experiment={experiment}", "target.tensor_parallel=1"]), world=8)[1]
     assert (round(whole.target_params / 1e9, 2), round(shape.target_active_params / 1e9, 2)) == (total, active)
     # sharded over 8 (gpt-oss-120b: 117B parameters fit no GPU whole), or 2 (Qwen3.6-35B-A3B: at 32768 tokens the
     # whole target leaves no room for the step on 80 GB): a GPU keeps its share of the experts and of the rest
     share = round(shape.target_params / 1e9, 2)
     assert tp == {"gpt_oss_120b": 8, "qwen3_6_35b_a3b": 2}.get(experiment, 1) and total / tp <= share < 1.1 * total / tp
-    out = plan.make_plan(shape, setup, [80, 141])
+    out = make_plan(shape, setup, [80, 141])
     configured = out["peak"]["checkpointing" if setup.checkpointing else "no checkpointing"]["gib"]
     assert configured <= 80  # the 31B at 384 anchors: at 512 nothing online fits 80 GB
     assert setup.num_anchors == (384 if experiment == "gemma4_31b_it" else 512)
@@ -355,7 +358,7 @@ def test_moe_targets_count_the_experts_a_token_runs_through():
     (+ a shared expert, + Gemma 4's dense MLP beside its experts), and the parameters but the other experts'."""
     from transformers import GptOssConfig, LlamaConfig
 
-    widths = {name: plan.active_intermediate(plan.target_config(plan.compose([f"experiment={name}"])["target"]))
+    widths = {name: active_intermediate(target_config(compose([f"experiment={name}"])["target"]))
               for name in ("llama3_1_8b_instruct", "gemma4_26b_a4b_it", "gpt_oss_20b", "qwen3_coder_30b_a3b",
                            "qwen3_6_35b_a3b")}
     assert widths == {"llama3_1_8b_instruct": 14336, "gemma4_26b_a4b_it": 2112 + 8 * 704, "gpt_oss_20b": 4 * 2880,
@@ -370,11 +373,11 @@ def test_moe_targets_count_the_experts_a_token_runs_through():
         from transformers import AutoModelForCausalLM
 
         moe_model, dense_model = AutoModelForCausalLM.from_config(moe), AutoModelForCausalLM.from_config(dense)
-    assert plan.moe_experts(moe) == (E, k) and plan.moe_experts(dense) == (0, 0)
+    assert moe_experts(moe) == (E, k) and moe_experts(dense) == (0, 0)
     total = sum(p.numel() for p in moe_model.parameters())
     experts = L * E * (H * 2 * inter + 2 * inter + inter * H + H)  # gate_up, its bias, down, its bias
-    assert plan.active_params(moe_model, moe) == total - experts + experts * k // E
-    assert plan.active_params(dense_model, dense) == sum(p.numel() for p in dense_model.parameters())
+    assert active_params(moe_model, moe) == total - experts + experts * k // E
+    assert active_params(dense_model, dense) == sum(p.numel() for p in dense_model.parameters())
 
 
 def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
@@ -383,8 +386,8 @@ def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
     auto's step."""
     import re
 
-    plan.main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=auto", "gpu_gb=[24,30,141]",
-               "--json"])
+    main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=auto", "gpu_gb=[24,30,141]",
+          "--json"])
     out = json.loads(capsys.readouterr().out)
     peaks = [out["peak"][name]["gib"] for name in ("checkpointing", "selective checkpointing", "no checkpointing")]
     assert 24 < peaks[0] < peaks[1] < 30 < peaks[2] < 141 and out["auto_checkpointing"]  # 24.9, 27.5 and 33.6 GiB
@@ -392,7 +395,7 @@ def test_the_plan_says_what_auto_checkpointing_chooses_per_gpu(capsys):
     assert [g["fits"] for g in out["gpus"]] == [False, True, True]
     assert abs(out["gpus"][1]["free_gib"] - (30 - peaks[1])) < 1e-9
     assert abs(out["gpus"][2]["free_gib"] - (141 - peaks[2])) < 1e-9
-    plan.main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=false", "gpu_gb=[24,30,141]"])
+    main(["experiment=qwen3_8b", "train.mode=offline", "train.gradient_checkpointing=off", "gpu_gb=[24,30,141]"])
     text = capsys.readouterr().out  # false configured: auto still shown
     assert "auto       largest train.num_anchors: no checkpointing / selective / full" in text
     assert "peak, no checkpointing" in text and text.count("(configured)") == 1
@@ -413,12 +416,37 @@ def test_the_plan_takes_a_users_config_dir_and_config_name_as_train_py_does(tmp_
     (mine / "mine_train.yaml").write_text("defaults:\n  - job\n  - override target: mine\n  - _self_\n")
     for args in (["--config-dir", str(mine), "target=mine"], [f"--config-dir={mine}", "target=mine"],
                  ["-cd", str(mine), "--config-name", "mine_train"]):
-        plan.main([*args, "drafter=tiny", "--json"])
+        main([*args, "drafter=tiny", "--json"])
         out = json.loads(capsys.readouterr().out)
         # the tiny target's width, and the cache in its dtype (features.storage=auto, resolved as extraction does)
         assert out["shape"]["hidden"] == 64 and out["run"]["storage"] == "float32", args
-    plan.main(["--config-dir", str(mine), "target=mine", "drafter=tiny", "gpu_gb=24"])
+    main(["--config-dir", str(mine), "target=mine", "drafter=tiny", "gpu_gb=24"])
     assert f"memory plan: --config-dir {mine} target=mine" in capsys.readouterr().out
     for wrong in (["target=mine"], ["--config-dir", str(tmp_path / "none"), "target=mine"], ["--bogus", "target=mine"]):
         with pytest.raises(SystemExit):  # in one line: no such target without the folder, no folder, no such option
-            plan.main([*wrong, "--json"])
+            main([*wrong, "--json"])
+
+
+def test_the_pure_models_import_nothing_of_the_pipeline():
+    """memory, flops, costs, serving and targets take plain shapes and values (DESIGN §1): imported alone, they load
+    no module of target/, data/, drafter/, evaluate/ or train/, nor the plan's adapter (configured, compose, report);
+    importing dflash.config (whose eval.serving_gpu is checked against serving's GPU table) loads no more."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport dflash.config, dflash.plan.memory, dflash.plan.flops, dflash.plan.costs, "
+            "dflash.plan.serving, dflash.plan.targets\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('dflash.target', 'dflash.data', 'dflash.drafter', "
+            "'dflash.evaluate', 'dflash.train', 'dflash.plan.configured', 'dflash.plan.compose', "
+            "'dflash.plan.report'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_plan_key_that_does_not_parse_is_refused_naming_it(caplog):
+    """world_size=eight or gpu_gb=[80,big] stop in one line naming the key and an example (they were a traceback)."""
+    for arg, said in (("world_size=eight", "world_size=eight is not a number; e.g. world_size=1"),
+                      ("gpu_gb=[80,big]", "gpu_gb=[80,big] is not a list of numbers; e.g. gpu_gb=[80,141]")):
+        with pytest.raises(SystemExit):
+            main(["experiment=qwen3_8b", arg])
+        assert said in caplog.text

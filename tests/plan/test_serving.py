@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from dflash import plan
 from dflash.errors import ConfigError
 from dflash.plan import serving as model
+from dflash.plan.configured import read_tau
+from dflash.plan.report import main
 
 
 def costs(tpot=1.0, ttft=0.0, decode=1.0, verify=1.0, drafter=0.0, spec_step=None, admission=0.0, clean=None,
@@ -91,20 +92,20 @@ def test_the_roofline_is_memory_bound_at_low_concurrency_and_compute_bound_at_hi
 
 
 def test_read_tau_from_a_number_a_summary_and_the_published_references(tmp_path):
-    assert model.read_tau("6.5", "Qwen/Qwen3-8B", 16) == (6.5, "given as tau=")
+    assert read_tau("6.5", "Qwen/Qwen3-8B", 16) == (6.5, "given as tau=")
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"metrics": {"eval/live_tau": 4.25, "eval/tau": 4.0}}))
-    assert model.read_tau(str(summary), "Qwen/Qwen3-8B", 16)[0] == 4.25
-    tau, where = model.read_tau("dflash_paper:gsm8k", "Qwen/Qwen3-8B", 16)
+    assert read_tau(str(summary), "Qwen/Qwen3-8B", 16)[0] == 4.25
+    tau, where = read_tau("dflash_paper:gsm8k", "Qwen/Qwen3-8B", 16)
     assert tau == 6.55 and "z-lab Qwen3-8B-DFlash-b16" in where and "bb48ef9" in where
     with pytest.raises(ConfigError, match="block size 8"):
-        model.read_tau("dflash_paper:gsm8k", "Qwen/Qwen3-8B", 8)
+        read_tau("dflash_paper:gsm8k", "Qwen/Qwen3-8B", 8)
     with pytest.raises(ConfigError, match="no such file"):
-        model.read_tau(str(tmp_path / "missing.json"), "Qwen/Qwen3-8B", 16)
+        read_tau(str(tmp_path / "missing.json"), "Qwen/Qwen3-8B", 16)
 
 
 def test_the_plan_command_prints_the_speedup_by_concurrency_and_what_other_shapes_need(capsys, caplog):
-    plan.main(["experiment=qwen3_8b", "concurrency=[1,8,32]", "tau=dflash_paper:gsm8k", "--json"])
+    main(["experiment=qwen3_8b", "concurrency=[1,8,32]", "tau=dflash_paper:gsm8k", "--json"])
     out = json.loads(capsys.readouterr().out)
     speedup = [out["speedup"][str(c)] for c in (1, 8, 32)]
     assert speedup[0] > speedup[1] > speedup[2] > 1  # a bigger batch leaves less idle compute to verify with
@@ -113,25 +114,25 @@ def test_the_plan_command_prints_the_speedup_by_concurrency_and_what_other_shape
     assert all(t == pytest.approx(6.55) for t in configured[0]["needed_tau"].values())
     block8 = next(s for s in out["shapes"] if (s["block_size"], s["layers"], s["budget"]) == (8, 5, None))
     assert block8["needed_tau"]["32"] < 6.55  # at C = 32 a shorter block matches it with less acceptance
-    plan.main(["experiment=qwen3_8b", "concurrency=[1,32]"])
+    main(["experiment=qwen3_8b", "concurrency=[1,32]"])
     text = capsys.readouterr().out
     assert "no tau given" in text and "break-even" in text and "a model, not a measurement" in text
     with pytest.raises(SystemExit):
-        plan.main(["experiment=qwen3_8b", "concurrency=[1]", "gpu=tpu"])
+        main(["experiment=qwen3_8b", "concurrency=[1]", "gpu=tpu"])
     assert "gpu=tpu: one of h200, h100, a100" in caplog.text
 
 
 def test_gemma4s_kv_cache_counts_each_layers_own_heads_and_the_plan_serves_it(capsys):
     """Gemma 4's layers differ in KV heads and head width (50 sliding layers of 16 x 256, 10 full of 4 x 512 in the
     31B); its config refuses the global attribute the model read (the plan raised AmbiguousGlobalPerLayerAttributeError)."""
-    from dflash.plan.targets import target_config
+    from dflash.plan.configured import target_config
     from tests.conftest import compose
 
     text = target_config(compose("train", ["experiment=gemma4_31b_it", "data.prompts=x"]).target)
     sliding, full = 50 * 2 * 2 * 16 * 256, 10 * 2 * 2 * 4 * 512  # bf16 K and V of one token, per layer kind
     assert model.kv_bytes_per_token(text, 1024) == sliding + full  # the window (1024) covers the context
     assert model.kv_bytes_per_token(text, 4096) == sliding / 4 + full  # a sliding layer keeps its last 1024
-    plan.main(["experiment=gemma4_31b_it", "concurrency=[1,32]", "tau=4", "--json"])
+    main(["experiment=gemma4_31b_it", "concurrency=[1,32]", "tau=4", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["speedup"]["1"] > out["speedup"]["32"] > 1
 
@@ -142,8 +143,19 @@ def test_a_tau_the_configured_block_cannot_keep_is_refused_in_one_line(tau, caps
     the block); a tau below 1 (less than the target's own token) is as impossible. Both stop, naming tau= and the
     limits; the edges themselves are fine."""
     with pytest.raises(SystemExit):
-        plan.main(["experiment=qwen3_8b", "concurrency=[1]", f"tau={tau}"])
+        main(["experiment=qwen3_8b", "concurrency=[1]", f"tau={tau}"])
     assert capsys.readouterr().out == ""  # nothing printed at a tau the model did not use
     assert f"tau={tau}: {float(tau):g} is outside [1, 16]" in caplog.text and "drafter.block_size=16" in caplog.text
-    plan.main(["experiment=qwen3_8b", "concurrency=[1]", "tau=16", "--json"])
+    main(["experiment=qwen3_8b", "concurrency=[1]", "tau=16", "--json"])
     assert json.loads(capsys.readouterr().out)["tau"] == 16.0
+
+
+def test_eval_serving_gpu_is_checked_against_the_serving_models_gpus():
+    """dflash.config checks eval.serving_gpu without importing the plan (config sits below it): against its own
+    SERVING_GPUS, the names GPUS is keyed by (the module refuses to import where the two differ)."""
+    from dflash.config.run import SERVING_GPUS
+    from tests.conftest import compose
+
+    assert tuple(model.GPUS) == SERVING_GPUS
+    with pytest.raises(Exception, match="eval.serving_gpu='tpu' is not valid"):
+        compose("evaluate", ["debug=tiny", "eval.serving_gpu=tpu"])
