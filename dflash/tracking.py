@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash.config import JobConfig, LoggerConfig
+from dflash.config import JobConfig, LoggerConfig, TargetConfig
 from dflash.errors import NotFoundError
 from dflash.io import read_json, write_json
 from dflash.layout import COMPILE_CACHES, RunLayout
@@ -101,12 +101,12 @@ def sweep_info() -> tuple[str | None, str, list[str]]:
 MAX_RUN_NAME = 200  # file systems allow 255 bytes
 
 
-def default_run_name(job: JobConfig) -> str:
+def default_run_name(target: TargetConfig) -> str:
     """<date>-<time>-<target>; in a sweep, <sweep>-<override_dirname> (e.g. 20261130-101500-optim.lr:3e-4),
     with any character but letters, digits and `_.:+-` made `_` (so the name survives list syntax such
     as runs=[a,b] and the shell), shortened with a hash of the whole when longer than MAX_RUN_NAME."""
     sweep, dirname, _ = sweep_info()
-    name = f"{sweep}-{dirname}" if sweep else f"{time.strftime('%Y%m%d-%H%M%S')}-{job.target.name}"
+    name = f"{sweep}-{dirname}" if sweep else f"{time.strftime('%Y%m%d-%H%M%S')}-{target.name}"
     name = re.sub(r"[^A-Za-z0-9_.:+-]", "_", name)
     if len(name) > MAX_RUN_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:8]

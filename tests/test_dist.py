@@ -208,7 +208,7 @@ def test_collective_timeout_is_validated_and_reaches_the_accelerator():
     # what accelerate hands to init_process_group: it drops a value equal to its own default of 10 min
     # (torch would then take 30 for gloo), so 10 must still get through
     for minutes in (0.05, 10, 30):
-        acc = make_accelerator(compose("train", ["debug=tiny", f"train.collective_timeout_minutes={minutes}"]))
+        acc = make_accelerator(compose("train", ["debug=tiny", f"train.collective_timeout_minutes={minutes}"]).train)
         timeout = acc.init_handler.to_kwargs()["timeout"].total_seconds()
         assert abs(timeout - 60 * minutes) < 1e-3, (minutes, timeout)
 

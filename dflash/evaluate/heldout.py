@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import EvalConfig, JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_features
 from dflash.data.mixture import merge, rendering, source_store, views
@@ -42,13 +42,13 @@ from dflash.provenance import check_kernels, differences, target_signature
 log = logging.getLogger(__name__)
 
 
-def _prompts(job: JobConfig):
-    return load_prompts(job.eval.prompts, limit=job.eval.max_prompts)
+def _prompts(cfg: EvalConfig):
+    return load_prompts(cfg.prompts, limit=cfg.max_prompts)
 
 
 def heldout_key(job: JobConfig, target, prompts=None) -> dict:
     """Everything the held-out sequences depend on (what keys its folder); `prompts` when already read."""
-    prompts = _prompts(job) if prompts is None else prompts
+    prompts = _prompts(job.eval) if prompts is None else prompts
     batch = job.eval.completions_batch_size
     mixed = [[name, rendering(source)] for name, source in views(job.data) if name]  # as JSON reads it back
     return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
@@ -95,7 +95,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     stored; eval.completions_batch_size prompts a batch, left-padded), untruncated, features of `layer_ids` stored in
     the target's dtype (storage auto: exact, as the target computes them, and as live decoding and training's cache
     see them; a bfloat16 target's set is half the bytes of float32). Needs the full target."""
-    prompts = _prompts(job)
+    prompts = _prompts(job.eval)
     key = heldout_key(job, target, prompts)
     features_dir, store = heldout_paths(job, target, layer_ids, key)
     if fcache.is_complete(features_dir):

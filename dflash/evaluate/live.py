@@ -264,9 +264,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             f"{prefix}verify_over_plain": verify_ms / max(metrics["eval/live_plain_ms_per_token"], 1e-9),
         })
     chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
-    metrics.update(slice_metrics(chain, slicers(job), "eval/live"))
+    metrics.update(slice_metrics(chain, slicers(job.data, job.eval), "eval/live"))
     answer = totals[None, "marginal"]["tokens"] / max(1, requests)  # the model's request: mean prompt, mean answer
-    served = serving_prediction(job, drafter, target, metrics["eval/live_tau"],
+    served = serving_prediction(job.eval, drafter, target, metrics["eval/live_tau"],
                                 prompt_tokens / max(1, requests) + answer / 2, answer) if requests else {}
     metrics.update(served.get("metrics", {}))
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),

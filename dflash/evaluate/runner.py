@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import EvalConfig, JobConfig, RunConfig
 from dflash.drafter.build import check_fits, load_drafter
 from dflash.drafter.attention import flex_compile_count
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
@@ -42,10 +42,10 @@ def evaluate_in_run(job: JobConfig, drafter, target, eval_set, run: RunLayout, s
                     backend: str) -> dict:
     """Teacher-forced eval during training, into eval/step-XXXXXX/ and the training run's W&B run.
     Returns the whole summary (metrics, histogram, per-prompt table)."""
-    drafter = served_copy(drafter, getattr(torch, job.train.save_dtype), eval_dtype(job, target))
+    drafter = served_copy(drafter, getattr(torch, job.train.save_dtype), eval_dtype(job.eval, target))
     compiled = flex_compile_count()
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval, backend)
-    summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job))
+    summary = summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job.data, job.eval))
     if backend == "flex":  # bounded by the length buckets: teacher_forced pads every forward to one block count
         summary["metrics"]["eval/flex_compiles"] = flex_compile_count() - compiled
         log.info("evaluation at step %d compiled %d flex graphs (%d in this process)", step,
@@ -83,19 +83,19 @@ def served_copy(drafter, served: torch.dtype, dtype: torch.dtype):
     return drafter.to(dtype)
 
 
-def eval_dtype(job: JobConfig, target) -> torch.dtype:
+def eval_dtype(cfg: EvalConfig, target) -> torch.dtype:
     """eval.dtype as a torch dtype: auto = the target's, the dtype servers run the drafter in."""
-    return target.dtype if job.eval.dtype == "auto" else getattr(torch, job.eval.dtype)
+    return target.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
 
 
-def find_run(job: JobConfig, checkpoint: str) -> RunLayout | None:
+def find_run(cfg: RunConfig, checkpoint: str) -> RunLayout | None:
     """The run a checkpoint belongs to: run.name, the run holding a checkpoint path, or the newest run."""
-    root = Path(job.run.root)
-    if job.run.name:
-        run = RunLayout(root / job.run.name)
+    root = Path(cfg.root)
+    if cfg.name:
+        run = RunLayout(root / cfg.name)
         if not run.path.is_dir():
             names = sorted(p.name for p in root.iterdir() if RunLayout(p).is_run()) if root.is_dir() else []
-            raise NotFoundError(f"no run {job.run.name!r} under {root}; runs there: {', '.join(names) or 'none'}")
+            raise NotFoundError(f"no run {cfg.name!r} under {root}; runs there: {', '.join(names) or 'none'}")
         return run
     path = Path(checkpoint).expanduser()
     if path.is_dir():
@@ -147,7 +147,7 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     from dflash.dist import current
 
     setup_logging()
-    run = find_run(job, job.checkpoint)
+    run = find_run(job.run, job.checkpoint)
     if target_from_run:
         job = run_target(job, run)
     if job.eval.mode == "live" and job.target.tensor_parallel > 1:  # before anything loads
@@ -162,7 +162,7 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     labelled = drafter_labels(path, f"step{step}" if step is not None else path.name, job.eval.compare)
     drafters = {label: (p, load_drafter(str(p)).float()) for label, p in labelled}
     target = evaluation_target(job, [d.target_layer_ids for _, d in drafters.values()], list(benches.values()))
-    dtype = eval_dtype(job, target)
+    dtype = eval_dtype(job.eval, target)
     for label, (p, d) in drafters.items():
         check_fits(d, target, source=f"drafter {p}")
         d.to(target.device, dtype)
@@ -282,7 +282,7 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
     allowed[label] = check_trained_on(trained_on, eval_set.manifest, job.provenance.allow_mismatch, label,
                                       "the held-out features", path)
     records = teacher_forced(drafter, target.embed_tokens, target.lm_head, eval_set, job.eval)
-    return records, summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job))
+    return records, summarize(records, drafter.block_size, job.eval.ddtree_budgets, slices=slicers(job.data, job.eval))
 
 
 def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict, target, dist, extra: dict,

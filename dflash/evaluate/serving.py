@@ -9,21 +9,21 @@ the model came."""
 
 from __future__ import annotations
 
-from dflash.config import JobConfig
+from dflash.config import EvalConfig
 from dflash.plan.configured import drafter_shape
 from dflash.plan.serving import predict
 
 
-def serving_prediction(job: JobConfig, drafter, target, tau: float, context: float, tokens: float) -> dict:
+def serving_prediction(cfg: EvalConfig, drafter, target, tau: float, context: float, tokens: float) -> dict:
     """{metrics: eval/live_serving@<C>_speedup, serving: the prediction (marked predicted: true) and its
     assumptions}; empty where eval.serving_concurrency is []."""
-    conc = list(job.eval.serving_concurrency)
+    conc = list(cfg.serving_concurrency)
     if not conc or target.model is None:
         return {}
     text = target.config
     shape = drafter_shape(drafter, text.vocab_size, bool(getattr(text, "tie_word_embeddings", False)),
                           (target.model, text))
-    out = predict(shape, text, tau, job.eval.serving_gpu, conc, max(1, round(context)), max(2.0, tokens))
+    out = predict(shape, text, tau, cfg.serving_gpu, conc, max(1, round(context)), max(2.0, tokens))
     # `predicted` says, in summary.json too, that these figures come from the model and not from this machine: a run
     # on a CPU once printed an H200's speedup that readers took for its result
     return {"metrics": {f"eval/live_serving@{c}_speedup": r for c, r in out["speedup"].items()},

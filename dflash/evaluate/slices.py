@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dflash.config import JobConfig
+from dflash.config import DataConfig, EvalConfig
 from dflash.data.mixture import source_of, views
 
 KINDS = ("source", "thinking", "tools", "length")
@@ -29,9 +29,9 @@ def length_bucket(position: int) -> str:
     return next(name for end, name in BUCKETS if position < end)
 
 
-def slicers(job: JobConfig) -> dict[str, Callable[[dict], str]]:
-    """{kind: record -> slice name} for each kind of eval.slices."""
-    switch = {name: source.data.enable_thinking for name, source in views(job.data)}
+def slicers(data: DataConfig, cfg: EvalConfig) -> dict[str, Callable[[dict], str]]:
+    """{kind: record -> slice name} for each kind of eval.slices (`cfg`), over the views of `data`."""
+    switch = {name: source.data.enable_thinking for name, source in views(data)}
     names = {True: "on", False: "off", None: "default"}
     mixed = "" not in switch  # ids carry a <view>/ prefix only in a mixture: "gsm8k/12" alone is one prompt's own id
 
@@ -40,11 +40,11 @@ def slicers(job: JobConfig) -> dict[str, Callable[[dict], str]]:
 
     every = {
         "source": lambda r: view(r) or "all",
-        "thinking": lambda r: names[switch.get(view(r), job.data.enable_thinking)],
+        "thinking": lambda r: names[switch.get(view(r), data.enable_thinking)],
         "tools": lambda r: "tools" if r.get("tools") else "text",
         "length": lambda r: length_bucket(r["anchor"]),
     }
-    return {kind: every[kind] for kind in job.eval.slices}
+    return {kind: every[kind] for kind in cfg.slices}
 
 
 def slice_metrics(steps: list[tuple[dict, int]], slicers_: dict[str, Callable[[dict], str]], prefix: str) -> dict:

@@ -111,7 +111,7 @@ def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]
     ours = {job.target.name.lower(), job.target.path.lower(), Path(job.target.path).name.lower()}
     if target is not None and str(target).lower() not in ours and Path(str(target)).name.lower() not in ours:
         out.append(f"target {target} (ours {job.target.path})")
-    thinking = protocol_thinking(job)
+    thinking = protocol_thinking(job.data, job.eval)
     if ref.get("thinking") is not None and (thinking is None or bool(ref["thinking"]) != thinking):
         said = "the chat template's default" if thinking is None else "on" if thinking else "off"
         out.append(f"thinking {'on' if ref['thinking'] else 'off'} (ours {said})")

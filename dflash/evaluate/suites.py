@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.config import JobConfig
+from dflash.config import DataConfig, EvalConfig, JobConfig
 from dflash.data.prompts import read_records
 from dflash.errors import ConfigError, DataError, NotFoundError
 
@@ -214,11 +214,11 @@ PROTOCOLS = {p.name: p for p in [
 ]}
 
 
-def protocol_thinking(job: JobConfig) -> bool | None:
+def protocol_thinking(data: DataConfig, cfg: EvalConfig) -> bool | None:
     """The thinking switch a suite's prompts are made with under eval.protocol (None: not passed to the chat
     template, its default)."""
-    how = PROTOCOLS[job.eval.protocol].thinking
-    return job.eval.thinking if how == "eval" else False if how == "off" else job.data.enable_thinking
+    how = PROTOCOLS[cfg.protocol].thinking
+    return cfg.thinking if how == "eval" else False if how == "off" else data.enable_thinking
 
 
 def suite_names(suite: str) -> list[str]:
@@ -248,7 +248,7 @@ def find_file(bench: Benchmark, root: Path) -> tuple[Path, str]:
         f"on a machine with network access (e.g. datasets.load_dataset(...).save_to_disk('{folder}')) and copy it here")
 
 
-def benchmark_file(job: JobConfig, name: str) -> tuple[Path, str]:
+def benchmark_file(cfg: EvalConfig, name: str) -> tuple[Path, str]:
     """(path, reader format) of a benchmark: its file under eval.benchmarks_dir, else the file an installed package
     ships (Benchmark.package; the package found, not imported)."""
     bench, packaged = BENCHMARKS[name], None
@@ -257,12 +257,12 @@ def benchmark_file(job: JobConfig, name: str) -> tuple[Path, str]:
     if spec is not None and spec.submodule_search_locations:
         packaged = Path(next(iter(spec.submodule_search_locations))) / inner
         packaged = packaged if packaged.is_file() else None
-    if job.eval.benchmarks_dir is None and packaged is None:
-        raise ConfigError(f"eval.suite={job.eval.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
+    if cfg.benchmarks_dir is None and packaged is None:
+        raise ConfigError(f"eval.suite={cfg.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
                           f"holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
     try:
-        if job.eval.benchmarks_dir is not None:
-            return find_file(bench, Path(job.eval.benchmarks_dir).expanduser())
+        if cfg.benchmarks_dir is not None:
+            return find_file(bench, Path(cfg.benchmarks_dir).expanduser())
     except NotFoundError:
         if packaged is None:
             raise
@@ -277,7 +277,7 @@ def benchmark_prompts(job: JobConfig, name: str) -> str:
     if bench.builtin is not None:
         return bench.builtin
     protocol = PROTOCOLS[job.eval.protocol]
-    path, fmt = benchmark_file(job, name)
+    path, fmt = benchmark_file(job.eval, name)
     records = read_records(str(path), fmt="hf" if fmt == "hf" else "auto", split=bench.split)
     if not records:
         raise DataError(f"benchmark {name}: {path} holds no records")
@@ -312,7 +312,7 @@ def benchmark_jobs(job: JobConfig) -> dict[str | None, JobConfig]:
     as eval.protocol has them}; {None: job} without eval.suite."""
     if job.eval.suite is None:
         return {None: job}
-    protocol, thinking = PROTOCOLS[job.eval.protocol], protocol_thinking(job)
+    protocol, thinking = PROTOCOLS[job.eval.protocol], protocol_thinking(job.data, job.eval)
     if job.eval.thinking is not None and job.eval.thinking != thinking:  # only zlab reads it: say so, never ignore it
         said = "off" if protocol.thinking == "off" else f"data.enable_thinking={job.data.enable_thinking}"
         raise ConfigError(f"eval.thinking={job.eval.thinking} is the thinking switch of eval.protocol=zlab; "

@@ -12,14 +12,14 @@ from datetime import timedelta
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import TrainConfig
 from dflash.drafter.model import DFlashDraftModel
 from dflash.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def make_accelerator(job: JobConfig):
+def make_accelerator(train: TrainConfig):
     """The Accelerator: DDP, or FSDP (train.distributed=fsdp, CUDA only); the schedule is stepped by the loop,
     once per optimizer step."""
     import accelerate
@@ -27,14 +27,14 @@ def make_accelerator(job: JobConfig):
     from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
-    if job.train.distributed == "fsdp" and not cuda:
+    if train.distributed == "fsdp" and not cuda:
         raise ConfigError(f"train.distributed=fsdp needs CUDA devices: accelerate {accelerate.__version__} runs FSDP "
                           f"on accelerators only (on a CPU it silently trains DDP instead) and torch's FSDP1 needs an "
                           f"accelerator device; use train.distributed=ddp here")
-    precision = job.train.mixed_precision
+    precision = train.mixed_precision
     precision = ("bf16" if cuda else "no") if precision == "auto" else precision
     plugin = None
-    if job.train.distributed == "fsdp":
+    if train.distributed == "fsdp":
         # what `accelerate launch --fsdp_state_dict_type FULL_STATE_DICT` sets: a gloo group next to NCCL for
         # gathering the full state on the CPU
         os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
@@ -43,7 +43,7 @@ def make_accelerator(job: JobConfig):
     # the process group's timeout, for collectives and short barriers (long waits go through dflash.dist.wait_long).
     # accelerate passes on only what differs from its default of 10 min: exactly 10 would leave torch's default
     # of 30 min for gloo and FSDP's nccl+gloo group, so a microsecond more is passed on
-    minutes = job.train.collective_timeout_minutes
+    minutes = train.collective_timeout_minutes
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=minutes, microseconds=1 if minutes == 10 else 0))
     acc = Accelerator(mixed_precision=precision, fsdp_plugin=plugin, cpu=not cuda, step_scheduler_with_optimizer=False,
                       kwargs_handlers=[timeout])

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.config import JobConfig
+from dflash.config import JobConfig, TrainConfig
 from dflash.errors import ConfigError
 from dflash.target import placement
 from dflash.target.loading import DTYPES, Target, read_config
@@ -65,16 +65,16 @@ def drafter_parameters(job: JobConfig, text_config) -> int | None:
     return None if drafter is None else sum(p.numel() for p in drafter.parameters())
 
 
-def drafter_state(job: JobConfig, params: int, world: int) -> tuple[int, str]:
+def drafter_state(train: TrainConfig, params: int, world: int) -> tuple[int, str]:
     """(bytes per process, what they are) of the drafter's training state, as dflash/plan/memory.py counts them:
     float32 weights, gradients and two AdamW moments; DDP adds its gradient buckets (world > 1); FSDP shards
     the four and gathers the weights in the compute dtype for each forward and backward."""
-    if job.train.distributed == "fsdp" and world > 1:
-        compute = 4 if job.train.mixed_precision == "no" else 2
+    if train.distributed == "fsdp" and world > 1:
+        compute = 4 if train.mixed_precision == "no" else 2
         return params * 16 // world + params * compute, (f"{params / 1e9:.3f} B parameters: float32 weights, "
                                                          f"gradients, AdamW moments sharded {world} ways, and "
                                                          f"the gathered weights")
-    buckets = job.train.distributed == "ddp" and world > 1
+    buckets = train.distributed == "ddp" and world > 1
     return params * (20 if buckets else 16), (f"{params / 1e9:.3f} B parameters: float32 weights, gradients, "
                                               f"AdamW moments{', DDP gradient buckets' if buckets else ''}")
 
@@ -93,7 +93,7 @@ def check_online_fit(job: JobConfig, device: torch.device) -> None:
     if params is None:
         return
     world = world_size()
-    state = drafter_state(job, params, world)
+    state = drafter_state(job.train, params, world)
     offline = ("train.mode=offline, training from a feature cache (extract.py or the run itself extracts the "
                "features once; training then keeps only the target's embed_tokens and lm_head on the device)")
     fixes = [offline, "a GPU with more memory (e.g. an H200's 141 GB)"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import JobConfig, TrainConfig
 from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
@@ -77,8 +77,8 @@ def train(job: JobConfig) -> Path:
     if job.checkpoint != "latest":
         raise ConfigError("checkpoint= selects what evaluate.py evaluates; to continue training use "
                           "train.resume=latest|best|step<N>|<path>")
-    acc = make_accelerator(job)
-    backend = attention_backend(job, acc.device)  # before any work: flex cannot train on a CPU
+    acc = make_accelerator(job.train)
+    backend = attention_backend(job.train, acc.device)  # before any work: flex cannot train on a CPU
     check_conv_kernel(job.drafter, job.train.conv_kernel, acc.device)  # nor DFlash 2's Triton convolution
     check_optimizer(job.optim, fsdp=is_fsdp(acc))
     if job.drafter.kind == "dflash2" and job.loss.selector_span != "free" and is_fsdp(acc):
@@ -189,14 +189,14 @@ def train(job: JobConfig) -> Path:
     return run.path
 
 
-def attention_backend(job: JobConfig, device: torch.device) -> str:
-    if job.train.attention == "auto":
+def attention_backend(train: TrainConfig, device: torch.device) -> str:
+    if train.attention == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
-    if job.train.attention == "flex" and device.type != "cuda":
+    if train.attention == "flex" and device.type != "cuda":
         raise ConfigError(f"train.attention=flex needs a CUDA device: torch {torch.__version__} has no flex "
                           f"attention backward on {device.type}; use train.attention=sdpa (or auto, which picks "
                           f"sdpa here and flex on CUDA)")
-    return job.train.attention
+    return train.attention
 
 
 def open_run(job: JobConfig, acc) -> RunLayout:
@@ -204,7 +204,7 @@ def open_run(job: JobConfig, acc) -> RunLayout:
     from accelerate.utils import broadcast_object_list
     from omegaconf import OmegaConf
 
-    name = [job.run.name or (default_run_name(job) if acc.is_main_process else None)]
+    name = [job.run.name or (default_run_name(job.target) if acc.is_main_process else None)]
     if job.train.resume and Path(job.train.resume).expanduser().is_dir():
         name = [RunLayout.of_checkpoint(Path(job.train.resume)).name]
     if acc.num_processes > 1:

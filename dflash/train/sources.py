@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import DataConfig, JobConfig
+from dflash.config import DataConfig, FeaturesConfig, JobConfig, LossConfig
 from dflash.config.data import rounds
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_training, prepare_training, rounding_warning, training_prompts
@@ -59,7 +59,7 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
                                      job.features.shard_sequences)
         return SequenceSource(prepared.sequences), manifest
     extracted_now = not fcache.is_complete(job.features.dir)
-    check_soft_labels(job, None if extracted_now else fcache.read_manifest(Path(job.features.dir)))
+    check_soft_labels(job.loss, job.features, None if extracted_now else fcache.read_manifest(Path(job.features.dir)))
     if extracted_now:
         log.info("no complete feature cache at %s: extracting it first", job.features.dir)
         extract_training(job, target, dist)
@@ -81,25 +81,25 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
     return CachedSource(cache), cache.manifest
 
 
-def check_soft_labels(job: JobConfig, manifest: dict | None) -> None:
+def check_soft_labels(loss_cfg: LossConfig, features: FeaturesConfig, manifest: dict | None) -> None:
     """A soft-label loss (loss=kl, tv, nla, expected_tau) offline needs the target's top-k distributions in
     the cache (features.topk_logits): refuse, before any extraction or training, a cache without them
     (`manifest`) or an extraction that would not store them (manifest None)."""
-    if not job.loss.soft_labels:
+    if not loss_cfg.soft_labels:
         return
-    loss = f"loss={job.loss.objective}"
-    if manifest is None and not job.features.topk_logits:
+    loss = f"loss={loss_cfg.objective}"
+    if manifest is None and not features.topk_logits:
         raise ConfigError(f"{loss} trains on the target's next-token distributions, and features.topk_logits=0 "
                           f"extracts none into the cache: set features.topk_logits (e.g. 64), or train with "
                           f"train.mode=online")
     if manifest is not None and not manifest.get("topk_logits"):
         raise ConfigError(f"{loss} trains on the target's next-token distributions, and the feature cache "
-                          f"{job.features.dir} stores none (extracted without features.topk_logits): extract "
+                          f"{features.dir} stores none (extracted without features.topk_logits): extract "
                           f"into a new features.dir with features.topk_logits=64 (say), or train with "
                           f"train.mode=online")
-    if manifest is not None and job.features.topk_logits and manifest["topk_logits"] != job.features.topk_logits:
-        raise ConfigError(f"features.topk_logits={job.features.topk_logits}, but the feature cache "
-                          f"{job.features.dir} stores the top {manifest['topk_logits']}: set "
+    if manifest is not None and features.topk_logits and manifest["topk_logits"] != features.topk_logits:
+        raise ConfigError(f"features.topk_logits={features.topk_logits}, but the feature cache "
+                          f"{features.dir} stores the top {manifest['topk_logits']}: set "
                           f"features.topk_logits={manifest['topk_logits']} (or 0: what the cache holds), or "
                           f"extract into a new features.dir")
 
@@ -129,7 +129,7 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
     made elsewhere), the cache is taken as it is, with a warning."""
     made = manifest.get("data", {})
     if job.data.sources or "sources" in made:
-        return check_mixture(job, manifest)
+        return check_mixture(job.data, job.features, manifest)
     key = prompts_key(job.data) if stamp is not None else None
     read = stamp.data_result(key) if key is not None else None
     if read is None:
@@ -151,13 +151,13 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
                          f"next to it are kept and reused), or set features.dir to another folder")
 
 
-def check_mixture(job: JobConfig, manifest: dict) -> None:
+def check_mixture(data: DataConfig, features: FeaturesConfig, manifest: dict) -> None:
     """check_data for a mixture (data.sources): every source's name, prompts (read again: their count and hash),
     completions sampling and every setting its sequences were made with (dflash.data.sequences.made_with) must be the
     cache's, in order, and so must data.max_length. The weights are not: they choose among the cached sequences, the
     features are the same."""
     now = []
-    for source in sources_of(job.data):
+    for source in sources_of(data):
         prompts = training_prompts(source.data)
         read = {"num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts)}
         now.append({"name": source.name, **data_now(source.data, read), "completions_sampling": sampling(source)})
@@ -165,10 +165,10 @@ def check_mixture(job: JobConfig, manifest: dict) -> None:
     diffs = [f"source {n['name']}: {diff}" for m, n in zip(made, now) if (diff := data_differences(m, n))]
     if len(made) != len(now):
         diffs.insert(0, f"{len(made)} sources there, {len(now)} now ({[m.get('name') for m in made]} there)")
-    if manifest.get("max_length") != job.data.max_length:
-        diffs.append(f"max_length: {manifest.get('max_length')} there, {job.data.max_length} now")
+    if manifest.get("max_length") != data.max_length:
+        diffs.append(f"max_length: {manifest.get('max_length')} there, {data.max_length} now")
     if diffs:
-        raise CacheError(f"the feature cache {job.features.dir} was extracted from another mixture than data.sources "
+        raise CacheError(f"the feature cache {features.dir} was extracted from another mixture than data.sources "
                          f"gives ({'; '.join(diffs)[:800]}). Delete that folder to extract it anew (each source's "
                          f"completions are kept and reused), or set features.dir to another folder")
 

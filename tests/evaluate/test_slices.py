@@ -9,11 +9,15 @@ MIXTURE = ("data.sources=[{prompts: builtin:tiny_prompts, enable_thinking: true,
            "{prompts: builtin:tiny_prompts, enable_thinking: false, name: plain}]")
 
 
+
+def slicers_of(job):
+    return slicers(job.data, job.eval)
+
 def test_each_block_goes_to_its_slice_and_each_slice_gets_the_walks_tau():
     """Blocks of two prompts in two views (thinking on: 'think/', off: 'plain/'), one at a long context: per slice
     the walk's tokens over blocks, the mean over prompts, blocks and prompts."""
     job = compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE, "eval.slices=[source,thinking,tools,length]"])
-    of = slicers(job)
+    of = slicers(job.data, job.eval)
     steps = [({"prompt_id": "think/a", "anchor": 10}, 3), ({"prompt_id": "think/a", "anchor": 13}, 1),
              ({"prompt_id": "plain/a", "anchor": 10, "tools": True}, 2), ({"prompt_id": "plain/b", "anchor": 5000}, 4)]
     m = slice_metrics(steps, of, "eval")
@@ -22,22 +26,22 @@ def test_each_block_goes_to_its_slice_and_each_slice_gets_the_walks_tau():
     assert m["eval/slice/source/plain/prompts"] == 2 and m["eval/slice/tools/tools/tau"] == 2.0
     assert m["eval/slice/length/2-8k/tau"] == 4.0 and m["eval/slice/length/0-2k/blocks"] == 3
     plain = compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[source,thinking]"])
-    m = slice_metrics([({"prompt_id": "a", "anchor": 0}, 2)], slicers(plain), "eval/live")
+    m = slice_metrics([({"prompt_id": "a", "anchor": 0}, 2)], slicers(plain.data, plain.eval), "eval/live")
     assert m["eval/live/slice/source/all/tau"] == 2.0 and "eval/live/slice/thinking/off/tau" in m  # data=tiny: off
     assert [length_bucket(n) for n in (0, 2047, 2048, 8191, 8192, 40000)] == ["0-2k", "0-2k", "2-8k", "2-8k",
                                                                              "8-32k", "32k+"]
-    assert slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny"])) == {}
+    assert slicers_of(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny"])) == {}
 
 
 def test_a_prompt_id_with_a_slash_is_its_own_id_without_a_mixture():
     """Benchmark ids hold a "/" (gsm8k/12, HumanEval/0): without data.sources no id has a view prefix, so every
     block is in the slice "all" and the data's thinking switch; in a mixture the view is the id's first part."""
-    plain = slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[source,thinking]"]))
+    plain = slicers_of(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", "eval.slices=[source,thinking]"]))
     steps = [({"prompt_id": "gsm8k/12", "anchor": 0}, 2), ({"prompt_id": "HumanEval/0", "anchor": 0}, 4)]
     m = slice_metrics(steps, plain, "eval")
     assert [k for k in m if k.endswith("/tau")] == ["eval/slice/source/all/tau", "eval/slice/thinking/off/tau"]
     assert m["eval/slice/source/all/prompts"] == 2
-    mixed = slicers(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE, "eval.slices=[source,thinking]"]))
+    mixed = slicers_of(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE, "eval.slices=[source,thinking]"]))
     m = slice_metrics([({"prompt_id": "think/gsm8k/12", "anchor": 0}, 3)], mixed, "eval")
     assert m["eval/slice/source/think/tau"] == 3.0 and m["eval/slice/thinking/on/tau"] == 3.0
 
@@ -86,7 +90,7 @@ def test_the_heldout_sets_tool_turns_are_the_tools_slice_teacher_forced(tools_ta
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
     records = teacher_forced(drafter, tools_target.embed_tokens, tools_target.lm_head, eval_set, job.eval)
     assert {r["prompt_id"] for r in records if r.get("tools")} == {"same", "same:turn2", "other"}
-    m = summarize(records, 4, [2], slices=slicers(job))["metrics"]
+    m = summarize(records, 4, [2], slices=slicers(job.data, job.eval))["metrics"]
     assert m["eval/slice/tools/tools/prompts"] == 3 and m["eval/slice/tools/text/prompts"] == 2
     # another set: the recorded result after another call; a bad record skipped
     kept = tool_job(tmp_path, "data.tools.keep_results=true", "data.skip_bad_records=true", "eval.max_prompts=4",

@@ -259,8 +259,8 @@ def test_the_drafters_state_is_what_fit_counts():
         t = terms(s, replace(u, distributed=distributed))
         mine = t["drafter parameters (fp32)"] + t["gradients (fp32)"] + t["AdamW state (2 x fp32)"]
         mine += t["DDP gradient buckets"] if distributed == "ddp" else t["autocast weight copies (bf16)"]
-        cfg = SimpleNamespace(train=SimpleNamespace(distributed=distributed, mixed_precision="auto"))
-        assert mine == fit.drafter_state(cfg, s.params, 8)[0]
+        train = SimpleNamespace(distributed=distributed, mixed_precision="auto")
+        assert mine == fit.drafter_state(train, s.params, 8)[0]
         before = (t["target model (online)"] + mine + ALLOWANCE) / GiB
         assert round(before, 1) == {"ddp": 86.3, "fsdp": 58.9}[distributed]  # fit's figures, vs 79.2 GiB
 

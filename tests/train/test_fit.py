@@ -88,12 +88,12 @@ def test_tiny_online_target_is_refused_by_a_byte_and_loaded_when_it_fits(tiny_ta
 
 def test_drafter_state_per_process(dflash_home):
     job = compose("train", ["debug=tiny", "train.mode=online"])
-    assert fit.drafter_state(job, 1000, 1)[0] == 16_000
-    assert fit.drafter_state(job, 1000, 8)[0] == 20_000  # DDP's gradient buckets
+    assert fit.drafter_state(job.train, 1000, 1)[0] == 16_000
+    assert fit.drafter_state(job.train, 1000, 8)[0] == 20_000  # DDP's gradient buckets
     job.train.distributed = "fsdp"
-    assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 2_000  # sharded state + gathered bf16 weights
+    assert fit.drafter_state(job.train, 1000, 8)[0] == 2_000 + 2_000  # sharded state + gathered bf16 weights
     job.train.mixed_precision = "no"
-    assert fit.drafter_state(job, 1000, 8)[0] == 2_000 + 4_000
+    assert fit.drafter_state(job.train, 1000, 8)[0] == 2_000 + 4_000
 
 
 def test_a_max_length_whose_planned_step_does_not_fit_is_refused_in_one_line_before_loading(monkeypatch, no_loading):
