@@ -114,7 +114,7 @@ fi
 echo "$install install $note ($(( $(date +%s) - start )) s)"
 export GPU_CHECK_INSTALL="$install $note"
 
-"$PY" -m bench.gpu_checks --budget "${GPU_CHECK_BUDGET:-480}" ${GPU_CHECK_RESULTS:+--results "$GPU_CHECK_RESULTS"}
+"$PY" -m bench.gpu.checks --budget "${GPU_CHECK_BUDGET:-480}" ${GPU_CHECK_RESULTS:+--results "$GPU_CHECK_RESULTS"}
 status=$?
 echo "gpu_check.sh: $(( $(date +%s) - start )) s in all"
 exit $status

@@ -33,4 +33,4 @@ if [ "${1:-}" = "--install" ]; then
   echo "PASS install (wheels in $SITE; .real/ now: $(ls .real 2>/dev/null | tr '\n' ' '))"
   exit 0
 fi
-timeout "${GPU_REAL_TIMEOUT:-420}" "$PY" -m bench.gpu_real "$@"
+timeout "${GPU_REAL_TIMEOUT:-420}" "$PY" -m bench.gpu.real "$@"

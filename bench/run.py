@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.time()
-    # what a result is a measurement of, as the GPU check's report records it (bench/gpu_runner.py)
+    # what a result is a measurement of, as the GPU check's report records it (bench/gpu/runner.py)
     command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     results: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "quick": args.quick,
                      "device": str(device), "commit": git_commit(), "command": command, "benchmarks": {}}

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from bench import checkpointing, dflash2, gpu, head_loss, real, schedule
+from bench import checkpointing, dflash2, head_loss, real, schedule
+from bench.gpu import steps
 from bench.measure import matmul_call, paired_times, timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
@@ -338,7 +339,7 @@ def feature_storage(quick: bool, device, drafter: str | None, **_) -> dict:
 
 SUITES = {"train_step": train_step, "extraction": extraction, "bytes_per_token": bytes_per_token,
           "cache_read": cache_read, "eval_blocks": eval_blocks, "live": live, "feature_storage": feature_storage,
-          "gpu_train_step": gpu.gpu_train_step, "gpu_extraction_kernels": gpu.gpu_extraction_kernels,
+          "gpu_train_step": steps.gpu_train_step, "gpu_extraction_kernels": steps.gpu_extraction_kernels,
           "dflash2": dflash2.dflash2_costs, "head_loss": head_loss.head_loss_costs,
           "checkpointing": checkpointing.checkpointing_costs, "schedule": schedule.schedule_costs,
           "real": real.real_stages}

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.gpu import preset_step
+from bench.gpu.steps import preset_step
 from bench.measure import TensorPeak
 from dflash.dist import Dist
 from dflash.drafter.blocks import pack_blocks, packed_attention_masks

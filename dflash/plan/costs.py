@@ -76,7 +76,7 @@ def measured_mfu(results: Path, experiment: str | None = None,
                  shown: str | None = None) -> tuple[float, str, bool] | None:
     """(MFU, where it is from, whether that step recomputed its layers), from the GPU results in `results` (files
     whose "device" is not cpu, named by date): with `experiment`, its own step where one was measured (a check whose
-    "shape" starts with the overrides it ran, `experiment=<name>` among them: bench/gpu.py's preset_step), of the
+    "shape" starts with the overrides it ran, `experiment=<name>` among them: bench/gpu/steps.py's preset_step), of the
     newest date that has one, a step timed alone ("alone": true) before one timed beside other checks; else the
     median of the "mfu" values of the newest file holding any, of its steps measured without gradient checkpointing
     where it has such. (On the first H200 the Qwen3-8B-size steps ran at 0.33, the Qwen3.6-27B drafter's at 0.28,
@@ -157,7 +157,7 @@ sharded, no checkpointing), so their overrides composed today would misread the 
 
 
 def recomputed(result: dict, overrides: list[str], composed: Callable[[tuple[str, ...]], bool] | None = None) -> bool:
-    """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu.py's preset_step
+    """Whether a measured step ran with gradient checkpointing: its "checkpointing" (bench/gpu/steps.py's preset_step
     records it), else CHECKPOINTED_WHEN_MEASURED for its preset, else what its overrides compose to (`composed`, the
     configured adapter's reading: a preset step of an older result), else False (the flex steps at Qwen3-8B size
     never checkpoint)."""

@@ -14,7 +14,7 @@ def test_cheap_benchmarks_run_and_report_their_figures():
 
 
 def test_gpu_suites_are_registered_and_skip_on_cpu():
-    """`python -m bench` runs the GPU suites of bench/gpu.py wherever it runs: on CPU they say why not."""
+    """`python -m bench` runs the GPU suites of bench/gpu/steps.py wherever it runs: on CPU they say why not."""
     for name in ("gpu_train_step", "gpu_extraction_kernels"):
         assert suites.SUITES[name](quick=True, device=torch.device("cpu")) == {"skipped": "needs CUDA"}
 

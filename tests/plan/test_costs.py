@@ -225,9 +225,9 @@ def test_no_result_in_bench_results_gives_the_plan_a_field_a_tool_did_not_write(
     listed fields are there in its bytes (it is never edited) and gone from what the plan reads; so no preset's
     MFU comes from it (the first H200's DFlash 2 step is planned at what its full check recorded, 0.152, not at the
     hand-annotated rerun's 0.197, while no newer report has the step)."""
-    from bench.gpu_runner import Report
+    from bench.gpu.runner import Report
 
-    report = Report(["a_check"], tmp_path, "cpu", "python -m bench.gpu_checks", [["a_check"]])
+    report = Report(["a_check"], tmp_path, "cpu", "python -m bench.gpu.checks", [["a_check"]])
     fields = set(json.loads(report.paths[0].read_text()))
     hand = json.loads((RESULTS / costs.HAND_EDITED).read_text())
     reports = sorted(RESULTS.glob("*gpu-check*.json"))

@@ -127,7 +127,7 @@ def tensors_of(batch) -> dict:
 def test_the_data_loaders_pinning_pins_every_tensor_of_a_batch(monkeypatch):
     """DataLoader(pin_memory=True) pins tensors and objects with a pin_memory() method, nothing else: a Batch
     has one, which pins its tensors, the packed blocks' too (pinning needs CUDA: here Tensor.pin_memory is
-    replaced by a recording copy; tests/bench/test_gpu.py checks real pinning)."""
+    replaced by a recording copy; tests/bench/gpu/test_steps.py checks real pinning)."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
     from dflash.train.batches import Batch

@@ -1,7 +1,7 @@
-"""Runs the checks of bench/gpu_checks.py, each in a process of its own with a time limit, into a report
+"""Runs the checks of bench/gpu/checks.py, each in a process of its own with a time limit, into a report
 that survives a killed check (or a killed run).
 
-- A check runs as `python -m bench.gpu_checks --check NAME --result FILE`; it writes FILE when it ends
+- A check runs as `python -m bench.gpu.checks --check NAME --result FILE`; it writes FILE when it ends
   and may leave what it measured so far in the file $GPU_CHECK_PARTIAL names (`save_partial`), both
   atomically (dflash.io: temp file, fsync, rename), so a SIGKILL never leaves half a file.
 - A check past its time limit is killed with its process group (compile workers included); its partial
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dflash.io import unused_path, write_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PARTIAL_ENV = "GPU_CHECK_PARTIAL"
 
 
@@ -92,7 +92,7 @@ def spawn(name: str, budget: float, timeout: float, workdir: Path):
     """Check `name` in a child process of its own session (so a timeout also ends its compile workers)."""
     log = (workdir / f"{_stem(name)}.log").open("w")
     env = {"TRITON_PRINT_AUTOTUNING": "1", **os.environ, PARTIAL_ENV: str(workdir / f"{_stem(name)}.partial.json")}
-    cmd = [sys.executable, "-m", "bench.gpu_checks", "--check", name, "--result",
+    cmd = [sys.executable, "-m", "bench.gpu.checks", "--check", name, "--result",
            str(workdir / f"{_stem(name)}.json"), "--budget", str(budget)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()  # the child holds its own descriptor

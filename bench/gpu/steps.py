@@ -1,6 +1,6 @@
-"""GPU measurements of the drafter's training step. bench/gpu_checks.py turns them into the PASS/FAIL
+"""GPU measurements of the drafter's training step. bench/gpu/checks.py turns them into the PASS/FAIL
 lines of bench/gpu_check.sh; `gpu_train_step` and `gpu_extraction_kernels` are also `python -m bench`
-suites. (The target side, kernels and live decoding, is bench/gpu_target.py.)
+suites. (The target side, kernels and live decoding, is bench/gpu/target.py.)
 
 - `flex_lengths`: the compiled flex training step at Qwen3-8B drafter size over several context
   lengths: tokens/s, MFU against the GPU's bf16 peak, peak memory, and what dynamo compiled per length.
@@ -273,7 +273,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
     step (compiles), median of `repeat` more, tokens/s, MFU, dynamo's graphs and recompiles, and the
     peak tensor memory of a step (CUDA: max_memory_allocated over the timed steps; CPU: TensorPeak), and of
     one more forward and backward alone (no optimizer step), each next to the plan's for the same shape. Last,
-    one more step under torch.profiler (bench.gpu_profile: time by op class, top kernels) unless what is left
+    one more step under torch.profiler (bench.gpu.profile: time by op class, top kernels) unless what is left
     of `budget_s` (seconds from the call) is below `profile_cost`: then "profile" says it was skipped."""
     from dflash.config import OptimConfig
     from dflash.drafter.build import use_conv_kernel
@@ -342,7 +342,7 @@ def preset_step(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int = 3, 
         profile = {"skipped": f"{left:.0f} s of the {budget_s:.0f} s budget left, a profiled step needs about "
                               f"{need:.0f} s"}
     else:
-        from bench.gpu_profile import profile_step
+        from bench.gpu.profile import profile_step
 
         try:  # the profile says where the time went; it never fails the check
             profile = profile_step(step, device)
@@ -427,6 +427,6 @@ def gpu_extraction_kernels(quick: bool, device, **_) -> dict:
         return {"skipped": "needs CUDA"}
     if importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention is not installed (pip install 'dflash[gpu]')"}
-    from bench.gpu_target import extraction_kernels
+    from bench.gpu.target import extraction_kernels
 
     return extraction_kernels(device)

@@ -1,5 +1,5 @@
 """CUDA-only tests (marked gpu, run by bench/gpu_check.sh; skipped on CPU machines) and the FLOP formula
-the check's MFU figures use. The GPU check itself, run on a CPU machine: tests/bench/test_gpu_check.py."""
+the check's MFU figures use. The GPU check itself, run on a CPU machine: tests/bench/gpu/test_checks.py."""
 
 from pathlib import Path
 
@@ -106,7 +106,7 @@ def test_flop_formula_counts_what_the_training_step_multiplies():
     """MFU in the GPU check rests on train_flops: its matmul part equals torch's count on the same step."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench.gpu import SMALL, bf16_peak, loss_and_backward, make_batch, make_drafter, train_flops
+    from bench.gpu.steps import SMALL, bf16_peak, loss_and_backward, make_batch, make_drafter, train_flops
 
     drafter, embed, head = make_drafter(SMALL, torch.device("cpu"), num_layers=2)
     blocks, feats = make_batch(drafter, 300, 16, torch.device("cpu"))

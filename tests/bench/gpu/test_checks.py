@@ -1,4 +1,4 @@
-"""The GPU check (bench/gpu_check.sh, bench/gpu_checks.py, bench/gpu_runner.py) run on a CPU machine: its
+"""The GPU check (bench/gpu_check.sh, bench/gpu/checks.py, bench/gpu/runner.py) run on a CPU machine: its
 GPU checks SKIP there, the others run small; what it projects, counts, keeps when killed, and judges."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -47,9 +47,9 @@ def test_flex_lengths_run_the_recipe_first_and_project_a_compile_from_the_last_o
     """A 72 s cold compile at 3072 (the first length) must not end the check: the next new shape is
     projected from that compile (paid once, not 1.5x the whole first length as before), a length of a
     compiled shape costs no compile, and once a warm compile is measured it is what is projected."""
-    from bench.gpu import next_cost
-    from bench.gpu_checks import FLEX_LENGTHS
-    from bench.gpu_verdicts import RECIPE_LENGTH
+    from bench.gpu.checks import FLEX_LENGTHS
+    from bench.gpu.steps import next_cost
+    from bench.gpu.verdicts import RECIPE_LENGTH
     from dflash.tiling import flex_padded_shape
 
     assert FLEX_LENGTHS[:2] == [RECIPE_LENGTH, 4096]
@@ -68,17 +68,17 @@ def test_flex_lengths_run_the_recipe_first_and_project_a_compile_from_the_last_o
 
 def test_flex_lengths_skip_what_does_not_fit_and_go_on(monkeypatch):
     """A length over the budget is skipped, not the end: later lengths of compiled shapes still run."""
-    from bench import gpu
+    from bench.gpu import steps
 
-    monkeypatch.setattr(gpu, "next_cost", lambda L, compiled, measured, repeat: 0.0 if compiled else 1e9)
-    out = gpu.flex_lengths([300, 600, 290], 16, 100, torch.device("cpu"), dims=gpu.SMALL, repeat=1,
+    monkeypatch.setattr(steps, "next_cost", lambda L, compiled, measured, repeat: 0.0 if compiled else 1e9)
+    out = steps.flex_lengths([300, 600, 290], 16, 100, torch.device("cpu"), dims=steps.SMALL, repeat=1,
                            backend="sdpa")
     assert list(out["lengths"]) == [300, 290] and list(out["skipped"]) == [600]
     assert out["lengths"][300]["new_shape"] and not out["lengths"][290]["new_shape"]
 
 
 def test_compile_watch_counts_dynamo_graphs_and_recompiles():
-    from bench.gpu import CompileWatch
+    from bench.gpu.steps import CompileWatch
 
     torch._dynamo.reset()  # no graphs of earlier tests for the same code
     f = torch.compile(lambda x: x * 3 + 1, backend="eager", dynamic=False)
@@ -98,21 +98,21 @@ def test_flex_check_fails_when_a_compiled_shape_recompiles(monkeypatch, keyed_on
     """Dynamo's own counts decide: a step that compiles for each exact length recompiles at 290, whose
     padded shape 300 compiled already, and the check FAILs; keyed on the padded shape it PASSes. (The
     old check compared dflash's flex count with the number of shapes it is keyed on: always equal.)"""
-    from bench import gpu
-    from bench.gpu_checks import flex_verdict
+    from bench.gpu import steps
+    from bench.gpu.checks import flex_verdict
     from dflash.tiling import flex_padded_shape
 
     torch._dynamo.reset()  # the lambda's code is the same in both cases: start without its graphs
     compiled = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
-    original = gpu.loss_and_backward
+    original = steps.loss_and_backward
 
     def step(drafter, embed, head_weight, feats, blocks, *args, **kwargs):
         n = feats.shape[1] if keyed_on == "exact length" else flex_padded_shape(feats.shape[1], 16, 16)[0]
         compiled(torch.zeros(n))
         return original(drafter, embed, head_weight, feats, blocks, *args, **kwargs)
 
-    monkeypatch.setattr(gpu, "loss_and_backward", step)
-    out = gpu.flex_lengths([300, 290], 16, 100, torch.device("cpu"), dims=gpu.SMALL, repeat=1, backend="sdpa")
+    monkeypatch.setattr(steps, "loss_and_backward", step)
+    out = steps.flex_lengths([300, 290], 16, 100, torch.device("cpu"), dims=steps.SMALL, repeat=1, backend="sdpa")
     verdict = flex_verdict(out, recipe=300)
     if keyed_on == "exact length":
         assert verdict["status"] == "FAIL" and "recompiled a compiled shape: 290" in verdict["summary"]
@@ -139,7 +139,7 @@ class _Slow:
 
 
 def fake_killed_mid_write(budget):
-    from bench.gpu_runner import save_partial
+    from bench.gpu.runner import save_partial
 
     save_partial({"lengths": {3072: {"step_s": 0.5}}})  # what a first length leaves
     save_partial({"lengths": {3072: {"step_s": 0.5}, 4096: {"step_s": 0.7}}, "zz": [_Slow() for _ in range(200)]})
@@ -161,7 +161,7 @@ fake_broken_partial.timeout_s = 7
 
 
 def fake_sleeps(budget):
-    from bench.gpu_runner import save_partial
+    from bench.gpu.runner import save_partial
 
     save_partial({"pid": os.getpid()})
     time.sleep(120)
@@ -184,7 +184,7 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
     waves and which checks had the machine alone, the Triton cache directory and its autotuning results before
     and after, and per check the autotunings its log shows. A second run the same day writes a report of its own
     (-2) and leaves the first as it was."""
-    from bench.gpu_checks import main
+    from bench.gpu.checks import main
     from bench.run import _machine_tag, machine
     from dflash.tracking import git_commit
 
@@ -206,11 +206,11 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
     results.mkdir()
     earlier = results / f"{time.strftime('%Y-%m-%d')}-{_machine_tag(machine())}-gpu-check.json"
     earlier.write_text('{"checks": {}}')
-    names = ["tests.bench.test_gpu_check:fake_autotunes", "tests.bench.test_gpu_check:fake_pass"]
+    names = ["tests.bench.gpu.test_checks:fake_autotunes", "tests.bench.gpu.test_checks:fake_pass"]
     assert main(["--only", *names, "--results", str(results)]) == 0
     assert earlier.read_text() == '{"checks": {}}'
     report = json.loads(earlier.with_name(earlier.stem + "-2.json").read_text())
-    assert report["command"] == f"python -m bench.gpu_checks --only {' '.join(names)} --results {results}"
+    assert report["command"] == f"python -m bench.gpu.checks --only {' '.join(names)} --results {results}"
     assert report["commit"] == git_commit() and report["started"].startswith(report["date"])
     assert report["device"] == "cpu" and report["waves"] == [[n] for n in names]
     assert all(report["checks"][n]["alone"] for n in names)
@@ -225,7 +225,7 @@ def test_the_report_records_at_run_time_what_ran_and_how(tmp_path, monkeypatch):
 
 
 def test_a_broken_result_file_is_noted_not_fatal(tmp_path):
-    from bench.gpu_runner import read_result
+    from bench.gpu.runner import read_result
 
     (tmp_path / "a.json").write_text('{"status": "PASS", "summ')
     (tmp_path / "b.json").write_text("[1, 2]")
@@ -240,14 +240,14 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     """A check SIGKILLed inside a write of its partial result (the temp file is left half-written) keeps the
     partial it wrote before; a broken partial file is skipped with a note; the checks before and after
     are in the report, which was rewritten after each."""
-    from bench.gpu_checks import run_plan
-    from bench.gpu_runner import run_all
+    from bench.gpu.checks import run_plan
+    from bench.gpu.runner import run_all
 
     if torch.cuda.is_available():
         pytest.skip("the fake checks run one by one on CPU only")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.delenv("GPU_CHECK_INSTALL", raising=False)
-    names = [f"tests.bench.test_gpu_check:{n}" for n in ("fake_pass", "fake_killed_mid_write", "fake_broken_partial",
+    names = [f"tests.bench.gpu.test_checks:{n}" for n in ("fake_pass", "fake_killed_mid_write", "fake_broken_partial",
                                               "fake_pass_too")]
     report = run_all(names, 300, tmp_path / "results", run_plan(names))
     checks = report["checks"]
@@ -257,7 +257,7 @@ def test_a_check_killed_mid_write_loses_nothing_but_itself(tmp_path, monkeypatch
     assert killed["summary"].startswith("timed out after 8 s") and killed["lengths"] == {"3072": {"step_s": 0.5}}
     logs = tmp_path / "out" / "gpu-check-logs"
     # killed inside the write
-    assert (logs / ".tests.bench.test_gpu_check-fake_killed_mid_write.partial.json.tmp").exists()
+    assert (logs / ".tests.bench.gpu.test_checks-fake_killed_mid_write.partial.json.tmp").exists()
     assert "partial.json unreadable (JSONDecodeError" in broken["summary"] and "skipped" in broken["summary"]
     [path] = (tmp_path / "results").glob("*-gpu-check.json")
     assert json.loads(path.read_text()) == json.loads(json.dumps(report, default=str))
@@ -272,10 +272,10 @@ def test_a_killed_run_leaves_the_checks_it_finished(tmp_path):
         pytest.skip("the fake checks run one by one on CPU only")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
     env.pop("GPU_CHECK_INSTALL", None)
-    names = ["tests.bench.test_gpu_check:fake_pass", "tests.bench.test_gpu_check:fake_sleeps"]
-    run = subprocess.Popen([sys.executable, "-m", "bench.gpu_checks", "--only", *names, "--results",
+    names = ["tests.bench.gpu.test_checks:fake_pass", "tests.bench.gpu.test_checks:fake_sleeps"]
+    run = subprocess.Popen([sys.executable, "-m", "bench.gpu.checks", "--only", *names, "--results",
                             str(tmp_path / "results")], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-    partial = tmp_path / "out" / "gpu-check-logs" / "tests.bench.test_gpu_check-fake_sleeps.partial.json"
+    partial = tmp_path / "out" / "gpu-check-logs" / "tests.bench.gpu.test_checks-fake_sleeps.partial.json"
     deadline = time.time() + 120
     while not partial.exists() and time.time() < deadline and run.poll() is None:
         time.sleep(0.5)
@@ -292,7 +292,7 @@ def test_a_killed_run_leaves_the_checks_it_finished(tmp_path):
 def test_the_qwen3_6_preset_is_the_published_drafter_at_the_recipe_shape():
     """What qwen3_6_step runs on a GPU (built here on the meta device): 24 query / 4 key-value heads of
     256, four sliding layers of 2048 and one full, block 16, 3072 tokens, 512 anchors, flex, bf16."""
-    from bench.gpu import QWEN3_6_PRESET, preset_job
+    from bench.gpu.steps import QWEN3_6_PRESET, preset_job
 
     job, shape, setup = preset_job(QWEN3_6_PRESET)
     assert (shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.block_size) == (24, 4, 256, 5, 16)
@@ -305,7 +305,7 @@ def test_the_qwen3_6_preset_is_the_published_drafter_at_the_recipe_shape():
 def test_the_dflash2_preset_is_the_published_27b_dflash2_drafter():
     """What qwen3_6_dflash2_step runs on a GPU: five non-causal sliding layers of 2048, block 8, the convolutions
     and a top-16 rank-256 selector, at the DFlash recipe's 3072 tokens and 512 anchors."""
-    from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_job
+    from bench.gpu.steps import QWEN3_6_DFLASH2_PRESET, preset_job
 
     job, shape, setup = preset_job(QWEN3_6_DFLASH2_PRESET)
     assert (shape.layers, shape.block_size, shape.dflash2, shape.selector_rank, shape.selector_top_k) == (
@@ -320,8 +320,8 @@ def test_preset_step_runs_on_cpu_and_its_peak_meets_the_plan(tiny_targets, kind)
     """The qwen3_6_step code path at a tiny size (sdpa, a sliding and a full layer, float32 on CPU), and the
     DFlash 2 check's: it reports its figures, and the plan's estimate is within 15% of the tensors TensorPeak
     counts."""
-    from bench.gpu import preset_step
-    from bench.gpu_checks import preset_verdict
+    from bench.gpu.checks import preset_verdict
+    from bench.gpu.steps import preset_step
 
     out = preset_step(torch.device("cpu"), [
         "target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
@@ -347,7 +347,8 @@ def test_the_dflash2_step_trains_with_the_triton_convolution_only_where_it_is_eq
     """qwen3_6_dflash2_step compares and times the Triton convolution first (bench.dflash2_conv.conv_on_gpu); the
     step trains with it where it is equal, else with train.conv_kernel=torch, and the check then fails saying why
     (a kernel that does not even run costs the check's verdict, not the step's figures)."""
-    from bench import dflash2_conv, gpu, gpu_checks
+    from bench import dflash2_conv
+    from bench.gpu import checks, steps
 
     row = {"ok": conv == "equal", "kernel_vs_float32": {"out": 0.5}}
     found = {"ok": conv == "equal", "compared": {"bfloat16": row}, "fwd_bwd_ms": {"torch": 3.0, "triton": 1.0},
@@ -359,13 +360,14 @@ def test_the_dflash2_step_trains_with_the_triton_convolution_only_where_it_is_eq
         return found
 
     ran = []
-    monkeypatch.setattr(gpu_checks, "_cuda", lambda: torch.device("cuda"))
+    monkeypatch.setattr(checks, "_cuda", lambda: torch.device("cuda"))
     monkeypatch.setattr(dflash2_conv, "conv_on_gpu", conv_on_gpu)
-    monkeypatch.setattr(gpu, "preset_step", lambda device, overrides, budget_s: ran.append(overrides) or _preset_out())
-    out = gpu_checks.qwen3_6_dflash2_step(100)
-    assert ran[0][:len(gpu.QWEN3_6_DFLASH2_PRESET)] == gpu.QWEN3_6_DFLASH2_PRESET
+    monkeypatch.setattr(steps, "preset_step",
+                        lambda device, overrides, budget_s: ran.append(overrides) or _preset_out())
+    out = checks.qwen3_6_dflash2_step(100)
+    assert ran[0][:len(steps.QWEN3_6_DFLASH2_PRESET)] == steps.QWEN3_6_DFLASH2_PRESET
     if conv == "equal":
-        assert out["status"] == "PASS" and ran[0] == gpu.QWEN3_6_DFLASH2_PRESET, out["summary"]
+        assert out["status"] == "PASS" and ran[0] == steps.QWEN3_6_DFLASH2_PRESET, out["summary"]
         assert "fwd+bwd 1.0 ms against 3.0 ms (x3.0)" in out["summary"]
     else:
         assert out["status"] == "FAIL" and ran[0][-1] == "train.conv_kernel=torch"
@@ -390,7 +392,7 @@ def test_the_preset_check_fails_when_the_activation_phases_are_off(case):
     """The step's peak is the optimizer's (its parameters, gradients, AdamW state and foreach temporary), so the
     plan's activations could be 2.5x off and the whole step's peak still match (x0.998 here): the check also
     holds the forward and backward's own peak, and its rise over the step's start, to the plan within 15%."""
-    from bench.gpu_checks import preset_verdict
+    from bench.gpu.checks import preset_verdict
 
     rise = 10.3  # GiB the forward and backward add over the 25.5 GiB the step starts with (plan: 35.85 - 25.54)
     measured = {"as planned": rise, "within 15%": rise * 1.13, "activations 2.5x the plan": rise * 2.5,
@@ -410,8 +412,8 @@ def test_extraction_kernels_run_at_the_real_head_dims_on_cpu():
     """The fla check's code path with the mid-size hybrid (head dims 128 and 256) on CPU, where the
     fallback is what is bound: bound and fallback agree exactly in bf16 and float32, and the verdict
     names the kernels and says fla is not bound."""
-    from bench.gpu_checks import kernel_verdict
-    from bench.gpu_target import extraction_kernels, mid_hybrid_config
+    from bench.gpu.checks import kernel_verdict
+    from bench.gpu.target import extraction_kernels, mid_hybrid_config
 
     out = extraction_kernels(torch.device("cpu"), mid_hybrid_config(vocab_size=512), batch=1, length=64, repeat=1)
     assert out["kernels"]["linear_attention"] == "torch_fallback"
@@ -433,7 +435,7 @@ def _run(dtype, drafter="oracle", margin=None, target="toy", clear=0):
 
 
 def test_lossless_is_exact_in_float32_and_bf16_divergences_are_listed_with_margins():
-    from bench.gpu_checks import lossless_verdict
+    from bench.gpu.checks import lossless_verdict
 
     ok = lossless_verdict({"runs": [_run("float32"), _run("bfloat16"), _run("bfloat16", "random", margin=0.03)]})
     assert ok["status"] == "PASS" and "bfloat16 1/2 identical" in ok["summary"]
@@ -449,7 +451,7 @@ def test_lossless_checks_every_committed_token_past_the_first_divergence():
     """A bf16 run that first departs from plain decoding at a tie (margin 0.03) and later commits a token 1.5 below
     the target's argmax over its own output FAILs (the old check stopped at the first divergence and passed it);
     the figures count every committed token, ties apart; a run without the token check FAILs."""
-    from bench.gpu_checks import lossless_verdict
+    from bench.gpu.checks import lossless_verdict
 
     runs = [_run("float32"), _run("bfloat16"), _run("bfloat16", "random", margin=0.03, clear=1)]
     verdict = lossless_verdict({"runs": runs})
@@ -467,7 +469,7 @@ def test_committed_tokens_are_each_the_targets_argmax_ties_apart():
     """Hand-made logits over a vocabulary of 4: committed tokens at the argmax pass; one a rounding apart from the
     top at a tie is counted, not failed; one 2.0 below the top at a clear position is a clear miss, wherever it is
     (after a tie included)."""
-    from bench.gpu_verdicts import committed_tokens
+    from bench.gpu.verdicts import committed_tokens
 
     logits = torch.tensor([[5.0, 1.0, 0.0, 0.0],   # token 0, clear
                            [2.0, 2.05, 0.0, 0.0],  # a tie (margin 0.05): 0 committed, 1 the argmax
@@ -484,7 +486,7 @@ def test_committed_tokens_of_a_tiny_targets_greedy_output(tiny_targets):
     """On a tiny Qwen3, greedy decoding's output passes against one batched forward over it; the same output with
     one token after the prompt replaced by one the target ranks far below fails at that token (and the ones after
     it see another context, so they are judged on it, as a speculative run's would be)."""
-    from bench.gpu_verdicts import committed_tokens
+    from bench.gpu.verdicts import committed_tokens
     from dflash.evaluate.decode import greedy_generate
     from dflash.target.features import target_forward
 
@@ -508,7 +510,7 @@ def test_committed_tokens_of_a_tiny_targets_greedy_output(tiny_targets):
 
 
 def test_first_divergence_names_the_token_and_the_targets_margin(tiny_targets):
-    from bench.gpu_target import first_divergence
+    from bench.gpu.target import first_divergence
 
     target = tiny_targets["tiny_qwen3"]
     plain = list(range(40, 60))
@@ -524,7 +526,7 @@ def test_no_check_imports_wandb():
     collection of the gpu-marked tests, work with wandb unimportable."""
     code = (
         "import sys; sys.modules['wandb'] = None\n"
-        "import bench.gpu_checks, bench.gpu, bench.gpu_target, bench.gpu_runner, bench.run, dflash.plan\n"
+        "import bench.gpu.checks, bench.gpu.steps, bench.gpu.target, bench.gpu.runner, bench.run, dflash.plan\n"
         "import dflash.tracking, dflash.train.loop, dflash.evaluate.live, dflash.evaluate.decode\n"
         "import dflash.drafter.build, dflash.target.loading, dflash.target.builtin, dflash.train.optim\n"
         "import dflash.train.batches, tests.oracle\n"
@@ -550,18 +552,18 @@ def test_the_wheels_leave_wandb_out_and_install_beside_the_environment():
 def test_the_sharded_extraction_check_judges_each_target_and_process(monkeypatch, case):
     """sharded_extraction (its probe faked): PASS when every process's features are within tolerance and it holds
     what the plan counts; FAIL naming the target when one process is off, holds other parameters, or is refused."""
-    from bench import gpu_checks
+    from bench.gpu import checks
 
     good = {"features": 1e-6, "topk_logprobs": 2e-6, "parameters": 10, "planned": 10}
     bad = {"pass": good, "off": {**good, "features": 3e-3}, "held": {**good, "parameters": 12},
            "refused": {"refused": "target.tensor_parallel=2 cannot shard x"}}[case]
-    ranks = [{n: good for n in gpu_checks.SHARDED_TARGETS}, {**{n: good for n in gpu_checks.SHARDED_TARGETS},
+    ranks = [{n: good for n in checks.SHARDED_TARGETS}, {**{n: good for n in checks.SHARDED_TARGETS},
                                                              "tiny_qwen3_moe": bad}]
-    monkeypatch.setattr(gpu_checks.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(checks.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 0, stdout="log line\n" + json.dumps(ranks) + "\n", stderr=""))
-    monkeypatch.setattr(gpu_checks, "_cuda", lambda: torch.device("cuda"))
-    monkeypatch.setattr(gpu_checks.torch.cuda, "device_count", lambda: 2)
-    out = gpu_checks.sharded_extraction(60)
+    monkeypatch.setattr(checks, "_cuda", lambda: torch.device("cuda"))
+    monkeypatch.setattr(checks.torch.cuda, "device_count", lambda: 2)
+    out = checks.sharded_extraction(60)
     assert out["status"] == ("PASS" if case == "pass" else "FAIL"), out["summary"]
     assert case == "pass" or "tiny_qwen3_moe" in out["summary"]
 

@@ -4,7 +4,7 @@
 
 On CUDA the profiler records the device's kernels (CUPTI) and the CPU ops that launched them; each kernel's
 time counts once, in the class of its name or of the op that launched it. On CPU each op's self time
-counts (its time less its children's), so the classes sum to the time the ops covered. bench/gpu.py's
+counts (its time less its children's), so the classes sum to the time the ops covered. bench/gpu/steps.py's
 `preset_step` records one such profile (the `profile` field of qwen3_6_step and qwen3_6_dflash2_step).
 """
 

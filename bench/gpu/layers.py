@@ -1,17 +1,17 @@
 """Two GPU checks of how training runs the drafter's layers, each at the Qwen3.6-27B drafter's step
-(bench.gpu.QWEN3_6_PRESET: 3072 tokens, 512 anchors, compiled flex, bf16 autocast), one drafter and one batch:
+(bench.gpu.steps.QWEN3_6_PRESET: 3072 tokens, 512 anchors, compiled flex, bf16 autocast), one drafter and one batch:
 
 - `checkpointing_modes`: the forward and backward under each train.gradient_checkpointing mode in turn, its time
   and peak memory beside the memory plan's. train.gradient_checkpointing=auto takes the first of no checkpointing,
   selective and full whose planned peak fits the device, so it holds two things only a GPU can show: each mode's
-  planned peak is the measured one (within bench.gpu_verdicts.PLAN_TOL), and selective checkpointing costs less
+  planned peak is the measured one (within bench.gpu.verdicts.PLAN_TOL), and selective checkpointing costs less
   time than full (were it slower, auto would choose it where full is the better buy).
 - `compiled_layers`: the forward and backward eager, then with train.compile=layers (dflash.drafter.recompute.
   compile_layers): the compile's seconds and graphs, the speed-up (what decides whether layers become the default),
   the loss against eager's, and nothing compiled again by the timed steps or by another length of the same padded
   shape.
 
-On CPU tests/bench/test_gpu_layers.py runs the same code at a tiny size.
+On CPU tests/bench/gpu/test_layers.py runs the same code at a tiny size.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.gpu import QWEN3_6_PRESET, CompileWatch, _sync, loss_and_backward, make_batch, preset_drafter, preset_job
-from bench.gpu_verdicts import PLAN_TOL
+from bench.gpu.steps import (QWEN3_6_PRESET, CompileWatch, _sync, loss_and_backward, make_batch, preset_drafter,
+                              preset_job)
+from bench.gpu.verdicts import PLAN_TOL
 from bench.measure import TensorPeak, timed
 from dflash.drafter.recompute import MODES, compile_layers, use_checkpointing
 from dflash.plan.configured import checkpointing_of
@@ -128,7 +129,7 @@ def checkpointing_modes(budget: float) -> dict:
     """CUDA only: measure_modes at the Qwen3.6-27B preset, judged by modes_verdict."""
     if not torch.cuda.is_available():
         return {"status": "SKIP", "summary": "needs CUDA (the Qwen3.6-27B drafter's step in three modes; "
-                                             "tests/bench/test_gpu_layers.py runs the same code on CPU at a tiny size)"}
+                                             "tests/bench/gpu/test_layers.py runs the same code on CPU at a tiny size)"}
     return modes_verdict(measure_modes(torch.device("cuda")))
 
 
@@ -140,7 +141,7 @@ def measure_compiled(device, overrides: list[str] = QWEN3_6_PRESET, repeat: int 
     """The forward and backward without checkpointing, eager (median of `repeat` after one untimed), then through
     compile_layers(backend): the first step (the compile), the median of `repeat`, dynamo's graphs and recompiles
     in each, and one step at `other_length` tokens (padded to the same shape under flex: it must compile nothing)."""
-    from bench.gpu import _compiled_between
+    from bench.gpu.steps import _compiled_between
 
     p = preset_fwd_bwd(device, overrides)
     setup, drafter, autocast, backward = p.setup, p.drafter, p.autocast, p.fwd_bwd
@@ -198,6 +199,6 @@ def compiled_layers(budget: float) -> dict:
     """CUDA only: measure_compiled at the Qwen3.6-27B preset, judged by compiled_verdict."""
     if not torch.cuda.is_available():
         return {"status": "SKIP", "summary": "needs CUDA (the Qwen3.6-27B drafter's step eager and with compiled "
-                                             "layers; tests/bench/test_gpu_layers.py runs the same code on CPU at a "
+                                             "layers; tests/bench/gpu/test_layers.py runs the same code on CPU at a "
                                              "tiny size)"}
     return compiled_verdict(measure_compiled(torch.device("cuda")))

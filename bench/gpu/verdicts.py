@@ -1,4 +1,4 @@
-"""The verdicts of bench/gpu_checks.py: PASS or FAIL, and the line's figures, from what a check measured (pure
+"""The verdicts of bench/gpu/checks.py: PASS or FAIL, and the line's figures, from what a check measured (pure
 functions of its results, so the tests judge fabricated ones on CPU)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ BF16_TIE_MARGIN = 0.1  # the floor dflash.evaluate.live takes for a tie of bf16 
 
 
 def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> dict:
-    """PASS or FAIL for bench.gpu.flex_lengths' results, by dynamo's own counts: FAIL when a length of an
+    """PASS or FAIL for bench.gpu.steps.flex_lengths' results, by dynamo's own counts: FAIL when a length of an
     already compiled padded shape compiled a graph (a recompile: each batch would pay it again), when a
     step after a length's first compiled anything, when the recompile limit was hit (flex then runs
     uncompiled), when a new shape compiled nothing under flex (it ran uncompiled), when the recipe's
@@ -98,7 +98,7 @@ def profile_figures(profile: dict | None) -> str:
 
 
 def kernel_verdict(out: dict, label: str) -> tuple[list[str], str]:
-    """(why it fails, figures) for bench.gpu_target.extraction_kernels' results. Fails when transformers
+    """(why it fails, figures) for bench.gpu.target.extraction_kernels' results. Fails when transformers
     did not bind fla; when fla's bf16 error against the float32 reference is not of the size of the
     fallback's own bf16 error (mean within 5x, max within 10x: fla keeps more intermediates in bf16, so it
     may round a few times more, while a wrong kernel is off by the size of the output itself); or when fla

@@ -1,4 +1,4 @@
-"""GPU measurements of the target side, for bench/gpu_checks.py: the linear-attention kernels
+"""GPU measurements of the target side, for bench/gpu/checks.py: the linear-attention kernels
 transformers binds (fla) against its PyTorch fallback, and live speculative decoding against plain
 greedy decoding.
 
@@ -88,7 +88,7 @@ def fallback_kernels(model):
         if getattr(m, "causal_conv1d_fn", None) is not None:
             saved.append((m, "causal_conv1d_fn", m.causal_conv1d_fn))
     if not saved:
-        raise RuntimeError(f"{module.__name__} has none of the kernel hooks bench.gpu_target knows "
+        raise RuntimeError(f"{module.__name__} has none of the kernel hooks bench.gpu.target knows "
                            f"(torch_chunk_gated_delta_rule, causal_conv1d_fn): update fallback_kernels")
     try:
         for obj, k, fn in saved:
@@ -178,13 +178,13 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
     Qwen3 (attention only: the chain, a DDTree in one sequence), with a drafter that knows the answer but
     misses on purpose (so blocks are partly accepted) and a random real drafter. Each run records its first divergence
     (`first_divergence`, None when identical), every committed token against the target's argmax in one batched
-    forward over its output (`committed_tokens`: ties counted apart) and its seconds; bench/gpu_verdicts.py judges.
+    forward over its output (`committed_tokens`: ties counted apart) and its seconds; bench/gpu/verdicts.py judges.
     `on_run(out)` after each run (the GPU check keeps it as its partial result and prints a line: a first run that
     pays the kernels' compiles and autotuning shows as such in the log)."""
     import os
     import time
 
-    from bench.gpu_verdicts import committed_tokens, tie_margin
+    from bench.gpu.verdicts import committed_tokens, tie_margin
     from dflash.config import DrafterConfig, LayersConfig, TargetConfig
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.drafter.build import build_drafter

@@ -1,10 +1,10 @@
-"""The GPU check checkpointing_modes (bench.gpu_layers.py) on CPU: its code path at a tiny size, and its
+"""The GPU check checkpointing_modes (bench/gpu/layers.py) on CPU: its code path at a tiny size, and its
 verdict."""
 
 import pytest
 import torch
 
-from bench.gpu_layers import compiled_verdict, measure_compiled, measure_modes, modes_verdict
+from bench.gpu.layers import compiled_verdict, measure_compiled, measure_modes, modes_verdict
 
 TINY = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
         "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no", "train.num_anchors=24",

@@ -1,10 +1,10 @@
-"""bench/gpu_profile.py: the classes of kernel and op names, and one step's profile by class (on CPU, a tiny
+"""bench/gpu/profile.py: the classes of kernel and op names, and one step's profile by class (on CPU, a tiny
 drafter's step; the GPU check records the same at the Qwen3.6-27B drafter's size)."""
 
 import pytest
 import torch
 
-from bench.gpu_profile import CLASSES, classify, classify_in, profile_step, summarize
+from bench.gpu.profile import CLASSES, classify, classify_in, profile_step, summarize
 
 
 @pytest.mark.parametrize("name, cls", [
@@ -98,8 +98,8 @@ def test_a_small_training_step_profiled_on_cpu():
 def test_the_preset_step_records_its_profile(tiny_targets, kind):
     """qwen3_6_step's and qwen3_6_dflash2_step's code path at a tiny size: the result's `profile` and the
     verdict's line about it; with no budget left the profile is skipped and says so."""
-    from bench.gpu import preset_step
-    from bench.gpu_verdicts import preset_verdict
+    from bench.gpu.steps import preset_step
+    from bench.gpu.verdicts import preset_verdict
 
     overrides = ["target=tiny_qwen3", "drafter=tiny", "drafter.layer_types=[sliding_attention,full_attention]",
                  "drafter.sliding_window=64", "train.attention=sdpa", "train.mixed_precision=no",

@@ -1,11 +1,11 @@
 """The checks of bench/gpu_check.sh: each prints one `PASS|FAIL|SKIP <check> <figures or why>` line.
 
-    python -m bench.gpu_checks                      # every check, each in its own process and time limit
-    python -m bench.gpu_checks --only live_lossless autocast_loss
-    python -m bench.gpu_checks --check flex_train_step --result r.json   # one check, in this process
+    python -m bench.gpu.checks                      # every check, each in its own process and time limit
+    python -m bench.gpu.checks --only live_lossless autocast_loss
+    python -m bench.gpu.checks --check flex_train_step --result r.json   # one check, in this process
 
 Writes bench/results/<date>-<machine>-gpu-check.json after every check (and a copy under $OUT when set;
-bench/gpu_runner.py says how a killed check or run keeps what finished). On a machine without CUDA the
+bench/gpu/runner.py says how a killed check or run keeps what finished). On a machine without CUDA the
 GPU-only checks print SKIP with the reason and the others run small. Exit status 1 when a check FAILed.
 A check may also be named `module:function` (a function taking the budget in seconds and returning
 {"status", "summary", ...}): the tests run fake checks so.
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_layers import checkpointing_modes, compiled_layers
-from bench.gpu_runner import REPO, run_all, save_partial
-from bench.gpu_verdicts import flex_verdict, kernel_verdict, lossless_verdict, preset_verdict
+from bench.gpu.layers import checkpointing_modes, compiled_layers
+from bench.gpu.runner import REPO, run_all, save_partial
+from bench.gpu.verdicts import flex_verdict, kernel_verdict, lossless_verdict, preset_verdict
 from dflash.io import write_json
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = REPO / "bench" / "results"
 
 # flex lengths: the recipe's (3072, data.max_length of the presets) and 4096 first, then lengths that
 # share a padded shape with one measured before (3000 with 3072, 2000 with 2048, 1000 with 1024: the
@@ -49,7 +49,7 @@ GRAD_COS_MIN = 0.99
 # >= 3.4), which keeps each result there for later processes; a fresh device machine starts with none
 # (2026-12-04 H200: 22 autotunings, 234 s, in fla_kernels; 17, 143 s, in live_lossless; a first forward 45 s):
 # side by side with each other only they took 264 s and 282 s, past the 150 s they had. The report records the
-# autotunings each check ran and the cache's results before and after (bench/gpu_runner.py)
+# autotunings each check ran and the cache's results before and after (bench/gpu/runner.py)
 TIMEOUTS = {"flex_train_step": 160, "qwen3_6_step": 170, "checkpointing_modes": 90, "compiled_layers": 120,
             "gpu_tests": 150,
             "autocast_loss": 150,
@@ -91,20 +91,20 @@ def flex_train_step(budget: float) -> dict:
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (flex attention trains on CUDA only)"}
-    from bench.gpu import flex_lengths
+    from bench.gpu.steps import flex_lengths
 
     return flex_verdict(flex_lengths(FLEX_LENGTHS, FLEX_ANCHORS, budget, device, on_length=save_partial))
 
 
 def qwen3_6_step(budget: float) -> dict:
     """The Qwen3.6-27B drafter's compiled flex training step at 3072 tokens and 512 anchors
-    (bench.gpu.preset_step), judged by `preset_verdict`; with one step's profile by op class
-    (bench.gpu_profile), skipped when the budget is spent."""
+    (bench.gpu.steps.preset_step), judged by `preset_verdict`; with one step's profile by op class
+    (bench.gpu.profile), skipped when the budget is spent."""
     device = _cuda()
     if device is None:
         return {"status": "SKIP", "summary": "needs CUDA (a 1.8B-parameter drafter step through flex attention; "
-                                             "tests/bench/test_gpu_check.py runs the same code on CPU at a tiny size)"}
-    from bench.gpu import QWEN3_6_PRESET, preset_step
+                                             "tests/bench/gpu/test_checks.py runs the same code on CPU at a tiny size)"}
+    from bench.gpu.steps import QWEN3_6_PRESET, preset_step
 
     return preset_verdict(preset_step(device, QWEN3_6_PRESET, budget_s=budget))
 
@@ -121,7 +121,7 @@ def qwen3_6_dflash2_step(budget: float) -> dict:
         return {"status": "SKIP", "summary": "needs CUDA (a 2.0B-parameter DFlash 2 drafter step through flex "
                                              "attention)"}
     from bench.dflash2_conv import conv_on_gpu
-    from bench.gpu import QWEN3_6_DFLASH2_PRESET, preset_step
+    from bench.gpu.steps import QWEN3_6_DFLASH2_PRESET, preset_step
 
     try:  # the Triton convolution, compared and timed alone first: the step trains with it only where it is equal
         conv = conv_on_gpu(device)
@@ -151,7 +151,7 @@ def autocast_loss(budget: float) -> dict:
     what breaks bf16 training (a reduction or softmax left in bf16, a mask that changes under
     autocast, an overflow), which moves the loss by percents or makes it non-finite. The gradient
     direction must also agree (cosine >= 0.99: a bf16 backward through the wrong mask does not)."""
-    from bench.gpu import QWEN3_8B, SMALL, autocast_gap
+    from bench.gpu.steps import QWEN3_8B, SMALL, autocast_gap
 
     device = _cuda() or torch.device("cpu")
     if device.type == "cuda":  # Qwen3-8B drafter size, through flex as training runs on CUDA
@@ -167,7 +167,7 @@ def autocast_loss(budget: float) -> dict:
 
 def fla_kernels(budget: float) -> dict:
     """fla against the PyTorch fallback on the tiny hybrid target and on a mid-size one with the real
-    head dims (bench.gpu_target.mid_hybrid_config), judged by `kernel_verdict`."""
+    head dims (bench.gpu.target.mid_hybrid_config), judged by `kernel_verdict`."""
     import importlib.util
 
     device = _cuda()
@@ -177,7 +177,7 @@ def fla_kernels(budget: float) -> dict:
     if importlib.util.find_spec("fla") is None:
         return {"status": "FAIL", "summary": "flash-linear-attention is not installed (bench/prepare_wheels.sh, "
                                              "or pip install flash-linear-attention)"}
-    from bench.gpu_target import extraction_kernels, mid_hybrid_config
+    from bench.gpu.target import extraction_kernels, mid_hybrid_config
 
     start = time.time()
     tiny = extraction_kernels(device)
@@ -196,7 +196,7 @@ def fla_kernels(budget: float) -> dict:
 def live_lossless(budget: float) -> dict:
     """Live speculative decoding against plain greedy decoding, float32 and bf16, judged by
     `lossless_verdict`."""
-    from bench.gpu_target import live_lossless as run
+    from bench.gpu.target import live_lossless as run
 
     device = _cuda() or torch.device("cpu")
 
@@ -318,7 +318,8 @@ def resolve(name: str):
         return CHECKS[name]
     module, sep, fn = name.partition(":")
     if not sep:
-        raise SystemExit(f"gpu_checks: no check {name!r}; the checks are {', '.join(CHECKS)} (or module:function)")
+        raise SystemExit(f"bench.gpu.checks: no check {name!r}; the checks are {', '.join(CHECKS)} "
+                         "(or module:function)")
     return getattr(importlib.import_module(module), fn)
 
 
@@ -337,7 +338,7 @@ def run_one(name: str, budget: float) -> dict:
 
 
 def run_plan(names: list[str]) -> dict:
-    """How bench.gpu_runner.run_all runs `names`: on CUDA the timing checks alone, one after the other,
+    """How bench.gpu.runner.run_all runs `names`: on CUDA the timing checks alone, one after the other,
     then the rest side by side; on CPU one by one. GPU-only checks SKIP on CPU without a process."""
     cuda = _cuda() is not None
     if cuda:
@@ -350,7 +351,7 @@ def run_plan(names: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_checks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu.checks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help=f"run only these checks ({', '.join(CHECKS)})")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                         help=f"seconds for all checks (default {DEFAULT_BUDGET})")
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
     names = args.only or list(CHECKS)
     for name in names:
         resolve(name)  # an unknown name stops here, not in a child
-    command = shlex.join(["python", "-m", "bench.gpu_checks", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "bench.gpu.checks", *(sys.argv[1:] if argv is None else argv)])
     if os.environ.get("GPU_CHECK_INSTALL"):  # set by bench/gpu_check.sh only
         command = f"bash bench/gpu_check.sh, which ran: {command}"
     report = run_all(names, args.budget, args.results, run_plan(names), command)
