@@ -20,19 +20,37 @@ from pathlib import Path
 import torch
 
 from dflash.config import EvalConfig, JobConfig, RunConfig
-from dflash.drafter.build import check_fits, load_drafter
 from dflash.drafter.attention import flex_compile_count
+from dflash.drafter.build import check_fits, load_drafter
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suite_results, suites
-from dflash.evaluate.plots import save_plots
-from dflash.evaluate.settings import evaluation_folder, figure_settings, job_config, reference_settings
+from dflash.evaluate.settings import (
+    evaluation_folder,
+    figure_settings,
+    job_config,
+    reference_settings,
+)
 from dflash.evaluate.slices import slicers
-from dflash.evaluate.summary import log_eval, log_suite, print_suite, print_summary, reference_rows, train_gap
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
 from dflash.io import write_json
 from dflash.layout import RunLayout, step_name
-from dflash.locate import check_complete, checkpoint_step, resolve_checkpoint, training_manifest
+from dflash.locate import (
+    check_complete,
+    checkpoint_step,
+    resolve_checkpoint,
+    training_manifest,
+)
 from dflash.provenance import check_trained_on, live_features
+from dflash.report.plots import save_plots
+from dflash.report.summary import (
+    log_eval,
+    log_suite,
+    mean_metrics,
+    print_suite,
+    print_summary,
+    reference_rows,
+    train_gap,
+)
 from dflash.tracking import RunLogger, latest_run, setup_logging
 
 log = logging.getLogger(__name__)
@@ -315,7 +333,7 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
         result = suite_results.combine(job.eval.suite, per[label], job.eval.protocol)
         result["references"] = reference_rows(refs, result["benchmarks"])
         if label == first and step is not None and job.eval.mode != "live":
-            result["metrics"].update(train_gap(run, step, suite_results.mean_metrics(result)))
+            result["metrics"].update(train_gap(run, step, mean_metrics(result)))
         write_json(outs[label] / "summary.json", {**result, **own[label]})
         results[label] = result
     print_suite(results, job.eval.mode)

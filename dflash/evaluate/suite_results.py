@@ -58,12 +58,6 @@ def combine(suite: str, summaries: dict[str, dict], protocol: str = "zlab") -> d
             "mode": mode, "protocol": {"name": how.name, "mean": how.mean, "headline": how.headline(mode)}}
 
 
-def mean_metrics(suite_summary: dict) -> dict:
-    """The suite mean as plain eval/<metric> keys (what print_gap and train_gap read)."""
-    prefix = "eval/mean/"
-    return {"eval/" + k.removeprefix(prefix): v for k, v in suite_summary["metrics"].items() if k.startswith(prefix)}
-
-
 REFERENCES = Path(__file__).resolve().parents[2] / "conf" / "references"
 
 

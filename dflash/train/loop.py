@@ -22,8 +22,13 @@ from dflash.config import JobConfig, TrainConfig
 from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
-from dflash.drafter.build import build_drafter, check_conv_kernel, load_trained, use_conv_kernel
 from dflash.drafter.attention import flex_compile_count
+from dflash.drafter.build import (
+    build_drafter,
+    check_conv_kernel,
+    load_trained,
+    use_conv_kernel,
+)
 from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector
 from dflash.errors import CheckpointError, ConfigError, TrainingError
@@ -31,12 +36,19 @@ from dflash.evaluate import heldout
 from dflash.io import write_text
 from dflash.layout import RunLayout
 from dflash.provenance import check_provenance
-from dflash.tracking import RunLogger, config_dict, default_run_name, record_run, setup_logging
+from dflash.report.summary import print_summary
+from dflash.tracking import (
+    RunLogger,
+    config_dict,
+    default_run_name,
+    record_run,
+    setup_logging,
+)
 from dflash.train import checkpoints as ckpt
 from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
 from dflash.train.batches import MicroBatches, Schedule
-from dflash.train.optim import build_optimizer, build_scheduler, check_optimizer
 from dflash.train.fit import resolve_checkpointing, step_plan
+from dflash.train.optim import build_optimizer, build_scheduler, check_optimizer
 from dflash.train.sources import keep_heads_only, training_source, training_target
 from dflash.train.step import train_step, window_totals
 
@@ -181,7 +193,6 @@ def train(job: JobConfig) -> Path:
     finally:
         logger.finish()
     if acc.is_main_process and evals:
-        from dflash.evaluate.summary import print_summary
 
         print(f"\nheld-out evaluation ({job.eval.prompts}, teacher-forced):")
         print_summary(evals)

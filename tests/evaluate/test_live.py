@@ -8,7 +8,7 @@ import torch
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.build import build_drafter
 from dflash.evaluate.live import live_eval
-from dflash.evaluate.summary import print_summary
+from dflash.report.summary import print_summary
 from tests.conftest import compose
 
 

@@ -150,8 +150,8 @@ def test_an_evaluation_at_other_settings_lands_beside_the_runs_own(trained, capl
     the in-run figures. The same command again rewrites its own folder (the same settings, recorded in it)."""
     import logging
 
-    from dflash.evaluate.report import load_run
     from dflash.layout import RunLayout
+    from dflash.report.compare import load_run
 
     tmp, run = trained
     copy = tmp / "runs" / "r1other"  # the module's run stays as the other tests expect it

@@ -10,8 +10,8 @@ import torch
 from dflash.drafter.build import build_drafter
 from dflash.errors import ConfigError
 from dflash.evaluate.live import live_eval
-from dflash.evaluate.summary import print_summary
 from dflash.plan.report import main
+from dflash.report.summary import print_summary
 from tests.conftest import compose
 
 SHAPE = ["target=tiny_qwen3", "drafter.num_layers=2", "drafter.block_size=4", "layers.num=2"]

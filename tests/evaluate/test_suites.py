@@ -9,6 +9,7 @@ import pytest
 
 from dflash.errors import ConfigError, DataError, NotFoundError
 from dflash.evaluate import suite_results, suites
+from dflash.report.summary import mean_metrics
 from tests.conftest import compose
 
 
@@ -115,7 +116,7 @@ def test_the_suite_mean_weighs_each_benchmark_the_same():
     assert s["metrics"]["eval/mean/tau"] == 3.0 and s["metrics"]["eval/a/blocks"] == 100
     assert "eval/mean/blocks" not in s["metrics"] and s["metrics"]["eval/mean/benchmarks"] == 2
     assert [p["benchmark"] for p in s["prompts"]] == ["b", "a"] and s["tau_histogram"] == [101, 0]
-    assert suite_results.mean_metrics(s)["eval/tau"] == 3.0
+    assert mean_metrics(s)["eval/tau"] == 3.0
 
 
 def test_references_load_and_mark_settings_that_differ(tmp_path):
@@ -243,7 +244,7 @@ def test_references_name_their_protocol_and_the_thinking_we_use(tmp_path):
 
 
 def suite_result(protocol, mode="teacher_forced"):
-    from dflash.evaluate.summary import reference_rows
+    from dflash.report.summary import reference_rows
 
     prefix = "live_" if mode == "live" else ""
     summary = {"metrics": {f"eval/{prefix}tau": 3.0, f"eval/{prefix}tau_macro": 4.0, "eval/acc@1": 0.5,
@@ -257,7 +258,7 @@ def suite_result(protocol, mode="teacher_forced"):
 
 def suite_table(protocol, mode="teacher_forced"):
     """(header, the first rows, the whole text) of print_suite."""
-    from dflash.evaluate.summary import print_suite
+    from dflash.report.summary import print_suite
 
     out = io.StringIO()
     print_suite({"step1": suite_result(protocol, mode)}, mode, out)

@@ -2,7 +2,7 @@
 
 import math
 
-from dflash.evaluate.report import arm_rows, differing_keys
+from dflash.report.compare import arm_rows, differing_keys
 
 
 def run(name, objective, seed, tau, acc, ddtree):
@@ -45,7 +45,7 @@ def test_a_run_evaluated_again_at_a_temperature_keeps_its_greedy_curve(tmp_path)
     final tau stays the in-run (greedy) evaluation of eval/step-000008/, not whichever folder sorts last."""
     import json
 
-    from dflash.evaluate.report import load_run
+    from dflash.report.compare import load_run
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 8, "train/loss": 1.0}) + "\n")
     for folder, tau in (("step-000004", 1.5), ("step-000008", 2.0), ("step-000008-t1", 1.2),

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dflash.config import ReportConfig
-from dflash.evaluate.report import report
+from dflash.report.compare import report
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_report_cli_takes_the_run_names_of_a_two_key_sweep(sweep):
 def test_a_curve_is_drawn_in_step_order_whatever_the_logging_order():
     """evaluate.py checkpoint=step1000 after training logged step 2000: the held-out tau line went 0 -> 2000 ->
     1000. Points are in step order, a step evaluated again takes its last value, non-numbers are skipped."""
-    from dflash.evaluate.report import curve
+    from dflash.report.compare import curve
 
     logged = [{"step": 0, "eval/tau": 1.0}, {"step": 2000, "eval/tau": 1.32}, {"step": 50, "train/loss": 9.0},
               {"step": 1000, "eval/tau": 1.29}, {"step": 2000, "eval/tau": 1.33}, {"step": 10, "eval/tau": None}]

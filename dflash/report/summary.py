@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dflash.io import read_json
+from dflash.tracking import read_metrics
 
 
 def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = None) -> None:
@@ -16,7 +17,7 @@ def log_eval(logger, summary: dict, step: int, images: dict[str, Path] | None = 
     if logger.wandb is None or summary.get("mode") in ("live", "other_settings"):  # eval/<tag>/*: runner.tagged
         return
     logger.summary(best_summary(logger.run, summary["metrics"]["eval/tau"], step))
-    import wandb
+    import wandb  # here: wandb takes seconds to import, and only a logged run needs it
 
     B = summary["block_size"]
     acc = wandb.Table(columns=["slot", "acc", "step"],
@@ -45,7 +46,6 @@ def train_gap(run, step: int, metrics: dict) -> dict:
     over randomly sampled anchors) logged nearest `step` against the held-out every-anchor mean (the same
     estimator), and their ratios (`eval/gap_tau`, `eval/gap_acc@1`: held-out over train). {} without train metrics
     (step 0, a foreign drafter)."""
-    from dflash.tracking import read_metrics
 
     rows = [r for r in read_metrics(run) if "train/tau" in r] if run is not None else []
     if not rows or "eval/tau_all_anchors" not in metrics:
@@ -221,7 +221,6 @@ def print_suite(suites: dict[str, dict], mode: str = "teacher_forced", out=None,
     worst prompts by tau, and the train/eval gap on the suite mean. The first tau column is the protocol's
     headline, the one references sit in: tau_macro (live: of live_tau_macro) when it averages over requests, then
     the pooled tau beside it; tau alone when it pools blocks."""
-    from dflash.evaluate.suite_results import mean_metrics
 
     out = out or sys.stdout
     first = next(iter(suites.values()))
@@ -289,3 +288,9 @@ def log_suite(logger, suite: dict, step: int) -> None:
     bench = wandb.Table(columns=["benchmark", "tau", *[r["name"] for r in refs]],
                         data=[[b, m[f"eval/{b}/{tau}"], *[r["tau"].get(b) for r in refs]] for b in suite["benchmarks"]])
     logger.log_media({"eval/prompts": prompts, "eval/benchmarks": bench}, step)
+
+
+def mean_metrics(suite_summary: dict) -> dict:
+    """The suite mean as plain eval/<metric> keys (what print_gap and train_gap read)."""
+    prefix = "eval/mean/"
+    return {"eval/" + k.removeprefix(prefix): v for k, v in suite_summary["metrics"].items() if k.startswith(prefix)}

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from dflash.config import ReportConfig
 from dflash.errors import NotFoundError
-from dflash.evaluate.plots import acc_curve, line_plot
 from dflash.io import write_json
 from dflash.layout import RunLayout
+from dflash.report.plots import acc_curve, line_plot
 from dflash.tracking import read_metrics
 
 

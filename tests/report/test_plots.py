@@ -1,6 +1,6 @@
 """Plots tell their lines apart."""
 
-from dflash.evaluate.plots import line_styles
+from dflash.report.plots import line_styles
 
 
 def test_fifteen_runs_get_fifteen_distinct_line_styles():
