@@ -24,33 +24,16 @@ from dflash.drafter.attention import flex_compile_count
 from dflash.drafter.build import check_fits, load_drafter
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suite_results, suites
-from dflash.evaluate.settings import (
-    evaluation_folder,
-    figure_settings,
-    job_config,
-    reference_settings,
-)
+from dflash.evaluate.settings import evaluation_folder, figure_settings, job_config, reference_settings
 from dflash.evaluate.slices import slicers
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
 from dflash.io import write_json
 from dflash.layout import RunLayout, step_name
-from dflash.locate import (
-    check_complete,
-    checkpoint_step,
-    resolve_checkpoint,
-    training_manifest,
-)
+from dflash.locate import check_complete, checkpoint_step, resolve_checkpoint, training_manifest
 from dflash.provenance import check_trained_on, live_features
 from dflash.report.plots import save_plots
-from dflash.report.summary import (
-    log_eval,
-    log_suite,
-    mean_metrics,
-    print_suite,
-    print_summary,
-    reference_rows,
-    train_gap,
-)
+from dflash.report.summary import (log_eval, log_suite, mean_metrics, print_suite, print_summary, reference_rows,
+                                   train_gap)
 from dflash.tracking import RunLogger, latest_run, setup_logging
 
 log = logging.getLogger(__name__)

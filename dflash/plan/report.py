@@ -25,29 +25,11 @@ from dflash.config.plan import PlanConfig
 from dflash.drafter.build import build_drafter
 from dflash.errors import ConfigError
 from dflash.plan.compose import compose
-from dflash.plan.configured import (
-    count_prompts,
-    drafter_shape,
-    mfu_of,
-    read_tau,
-    sequence_flops,
-    setup_of,
-    target_config,
-)
+from dflash.plan.configured import (count_prompts, drafter_shape, mfu_of, read_tau, sequence_flops, setup_of,
+                                    target_config)
 from dflash.plan.costs import PAPER_SEQUENCES, PAPER_TOKENS, Run
-from dflash.plan.memory import (
-    MODE_WORDS,
-    MODES,
-    GiB,
-    Setup,
-    Shape,
-    block_mask_bytes,
-    choose_checkpointing,
-    max_anchors,
-    mode_name,
-    peak,
-    terms,
-)
+from dflash.plan.memory import (MODE_WORDS, MODES, GiB, Setup, Shape, block_mask_bytes, choose_checkpointing,
+                                max_anchors, mode_name, peak, terms)
 from dflash.plan.serving import plan_serving, render_serving
 from dflash.target.loading import Target
 

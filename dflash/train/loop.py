@@ -23,12 +23,7 @@ from dflash.data.mixture import shares
 from dflash.dist import Dist, current
 from dflash.drafter import metrics
 from dflash.drafter.attention import flex_compile_count
-from dflash.drafter.build import (
-    build_drafter,
-    check_conv_kernel,
-    load_trained,
-    use_conv_kernel,
-)
+from dflash.drafter.build import build_drafter, check_conv_kernel, load_trained, use_conv_kernel
 from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector
 from dflash.errors import CheckpointError, ConfigError, TrainingError
@@ -37,13 +32,7 @@ from dflash.io import write_text
 from dflash.layout import RunLayout
 from dflash.provenance import check_provenance
 from dflash.report.summary import print_summary
-from dflash.tracking import (
-    RunLogger,
-    config_dict,
-    default_run_name,
-    record_run,
-    setup_logging,
-)
+from dflash.tracking import RunLogger, config_dict, default_run_name, record_run, setup_logging
 from dflash.train import checkpoints as ckpt
 from dflash.train.accel import full_drafter, full_state_dict, is_fsdp, make_accelerator
 from dflash.train.batches import MicroBatches, Schedule
