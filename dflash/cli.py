@@ -8,8 +8,10 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.dist import finish
 from dflash.errors import ConfigError, DFlashError
 from dflash.layout import COMPILE_CACHES, compile_cache_dirs
+from dflash.provenance import check_allowed
 
 log = logging.getLogger("dflash")
 
@@ -36,8 +38,6 @@ def to_job(cfg: DictConfig):
     if hasattr(job, "run"):
         use_compile_caches(job.run.compile_cache)
     if hasattr(job, "provenance"):
-        from dflash.provenance import check_allowed
-
         try:
             check_allowed(job.provenance.allow_mismatch)
         except ConfigError as e:
@@ -71,8 +71,6 @@ def fail(error: Exception) -> None:
 def run(fn, job):
     """fn(job), then the launch's process groups ended cleanly (dflash.dist.finish); a DFlashError exits 2 with its
     message alone (set DFLASH_TRACEBACK=1 for the trace)."""
-    from dflash.dist import finish
-
     try:
         out = fn(job)
         finish()

@@ -19,6 +19,7 @@ import torch
 from dflash.errors import CacheError, ConfigError, ProvenanceError
 from dflash.target.identity import kernel_backend, target_identity, tokenizer_fingerprint
 from dflash.target.quantization import signature
+from dflash.target.sharding import EXACT_FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def layout(target) -> str | None:
     features equal to the unsharded target's: unsharded, placed over GPUs (the same computation, device by
     device), or tensor parallel in a family whose equality the tests hold (dflash.target.sharding.EXACT_FAMILIES);
     else a name that keeps them apart (refused beside unsharded ones unless provenance.allow_mismatch=[layout])."""
-    from dflash.target.sharding import EXACT_FAMILIES
-
     size = target.sharding.get("tensor_parallel", 1)
     family = getattr(target.config, "model_type", "?")
     if size <= 1 or family in EXACT_FAMILIES:

@@ -32,6 +32,7 @@ from dflash.errors import CacheError
 from dflash.io import read_json, write_json
 from dflash.layout import CacheLayout
 from dflash.provenance import check_resumable
+from dflash.target.features import TopK
 
 log = logging.getLogger(__name__)
 
@@ -329,8 +330,6 @@ class FeatureCache:
     def topk(self, i: int):
         """Sequence i's stored top-k next-token distribution, a dflash.target.features.TopK [T, k] (ids as
         int64), or None when the cache holds none."""
-        from dflash.target.features import TopK
-
         if not self.topk_logits:
             return None
         k, j = self.index[i]

@@ -16,18 +16,21 @@ from pathlib import Path
 
 import torch
 
+from dflash import dist as dist_mod
 from dflash.config import ConfigError, DataConfig, FeaturesConfig, JobConfig
 from dflash.config.data import rounds, storage_for
 from dflash.data import cache as fcache
 from dflash.data.mixture import merge, source_store, sources_of
 from dflash.data.prompts import Prompt, load_prompts
 from dflash.data.sequences import Prepared, prepare_sequences
+from dflash.data.vllm_features import extract_features_vllm
 from dflash.dist import Dist
 from dflash.provenance import features_manifest
 from dflash.target.features import TopK, batched_features
 from dflash.target.layer_ids import resolve_layer_ids
 from dflash.target.loading import Target, load_target
 from dflash.target.sharding import drain
+from dflash.tracking import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +137,6 @@ def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
     features.source=vllm its heads and tokenizer are enough, unless it generates the completions)."""
     prepared = prepare_training(job, target, dist)
     if job.features.source == "vllm":
-        from dflash.data.vllm_features import extract_features_vllm
-
         dest = Path(job.features.dir)
         # vLLM computes in target.dtype too; its extraction reads the storage from the config group it is given
         features = replace(job.features, storage=cache_storage(job.features.storage, target, dest, dist))
@@ -149,8 +150,6 @@ def extract_training(job: JobConfig, target: Target, dist: Dist) -> dict:
 
 def extract(job: JobConfig) -> dict:
     """extract.py: completions, then features, into job.features.dir."""
-    from dflash import dist as dist_mod
-    from dflash.tracking import setup_logging
 
     setup_logging()
     dist = dist_mod.current(job.train.collective_timeout_minutes)

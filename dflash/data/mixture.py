@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflash.config import DataConfig
+from dflash.data.sequences import Prepared
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,6 @@ def merge(parts: list[tuple[Source, "Prepared"]]) -> "Prepared":
     a mixture's ids prefixed with their source's name, and its info listing every source (name, weight, what its
     sequences were made from and how, what was skipped) with the totals."""
     import hashlib
-
-    from dflash.data.sequences import Prepared
 
     if len(parts) == 1 and not parts[0][0].name:
         return parts[0][1]

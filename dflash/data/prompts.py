@@ -22,7 +22,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.data import sharegpt
+from dflash.data.sharegpt import read_split
 from dflash.errors import ConfigError, DataError, NotFoundError
+from dflash.target.toy import prompt_records
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +128,9 @@ def _read_hf(path: str, split: str) -> list[dict]:
 def read_records(spec: str, fmt: str = "auto", split: str = "train") -> list[dict]:
     """Raw records from a prompt source (see module docstring)."""
     if spec.startswith("toy:"):  # rename tasks on held-out stdlib functions, for the toy target
-        from dflash.target.toy import prompt_records
 
         return prompt_records(spec.removeprefix("toy:"))
     if spec.startswith("sharegpt:"):
-        from dflash.data.sharegpt import read_split
-
         return read_split(spec)
     if spec.startswith("builtin:"):
         path = BUILTIN / f"{spec.removeprefix('builtin:')}.jsonl"
@@ -241,7 +241,6 @@ def source_record(spec: str) -> dict:
     size, sha256) and `source_counts` (whole records, the cut, each skip reason, the splits); nothing for the others,
     whose manifests stay as they were."""
     if spec.startswith("sharegpt:"):
-        from dflash.data import sharegpt
 
         return sharegpt.source_record(spec)
     return {}

@@ -123,7 +123,7 @@ def use_conv_kernel(drafter: torch.nn.Module, setting: str, device: torch.device
     if why_not:
         log.info("train.conv_kernel=auto: torch (%s)", why_not)
         return "torch"
-    from dflash.drafter import conv_kernel
+    from dflash.drafter import conv_kernel  # here: it imports triton, which only a CUDA machine has
 
     for conv in convs:
         conv.conv = conv_kernel.grouped_dynamic_conv

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash.drafter import dflash2
+
 BLOCK_ROWS = 32
 BLOCK_GROUPS = 8
 
@@ -127,8 +129,6 @@ def grouped_dynamic_conv(z: torch.Tensor, base: torch.Tensor, dynamic: torch.Ten
     """dflash.drafter.dflash2.grouped_dynamic_conv through the Triton kernels, same arguments and result (the group
     size a power of two: a group's channels are one vector; dflash.drafter.build.use_conv_kernel checks it); the
     torch path for a CPU tensor outside the interpreter (a drafter moved to the CPU after training)."""
-    from dflash.drafter import dflash2
-
     b, q, H = z.shape
     if not _runs_here(z):
         return dflash2.grouped_dynamic_conv(z, base, dynamic, group_size, block_len)

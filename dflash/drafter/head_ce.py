@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.drafter.selector_loss import selector_scores
+
 
 class WeightedCE(torch.autograd.Function):
     """sum_i w_i CE(logits_i, labels_i), its gradient written in one [N, V] tensor: w_i g (softmax_i - onehot(label_i)),
@@ -143,8 +145,6 @@ class FusedHeadSelectorCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_weight, prev, sel_weight, gold, how: _Selector, *params):
-        from dflash.drafter.selector_loss import selector_scores
-
         N, opts = len(labels), how.options
         want_h = ctx.needs_input_grad[0]
         grad_unary = torch.zeros_like(hidden) if want_h else None

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import EvalConfig, JobConfig, RunConfig
+from dflash.config import EvalConfig, JobConfig, RunConfig, TargetConfig
+from dflash.dist import current
 from dflash.drafter.attention import flex_compile_count
 from dflash.drafter.build import check_fits, load_drafter
 from dflash.errors import CheckpointError, ConfigError, NotFoundError
 from dflash.evaluate import heldout, suite_results, suites
+from dflash.evaluate.live import live_eval
 from dflash.evaluate.settings import evaluation_folder, figure_settings, job_config, reference_settings
 from dflash.evaluate.slices import slicers
 from dflash.evaluate.teacher_forced import summarize, teacher_forced, write_outputs
@@ -34,6 +36,7 @@ from dflash.provenance import check_trained_on, live_features
 from dflash.report.plots import save_plots
 from dflash.report.summary import (log_eval, log_suite, mean_metrics, print_suite, print_summary, reference_rows,
                                    train_gap)
+from dflash.target.loading import load_target
 from dflash.tracking import RunLogger, latest_run, setup_logging
 
 log = logging.getLogger(__name__)
@@ -113,8 +116,6 @@ def evaluation_target(job: JobConfig, layer_sets: list[list[int]], jobs: list[Jo
     only embed_tokens and lm_head: the decoder layers (54 GB for a 27B target) are never loaded, so a
     drafter is evaluated on a CPU box from features extracted on the GPU machine. Anything still to
     extract, and live decoding, needs the whole model. `jobs`: one per held-out set (a suite's benchmarks)."""
-    from dflash.target.loading import load_target
-
     if job.eval.mode == "teacher_forced":
         target = load_target(job.target, heads_only=True)
         if target.model is None and all(heldout.is_ready(j, target, ids) for j in jobs or [job] for ids in layer_sets):
@@ -129,7 +130,6 @@ def run_target(job: JobConfig, run: RunLayout | None) -> JobConfig:
     `python train.py target=tiny_gemma` evaluates against tiny_gemma, not the default target."""
     if run is None:
         return job
-    from dflash.config import TargetConfig
 
     trained = run.trained_config()
     target = trained.get("target") or {}
@@ -145,8 +145,6 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set, or on each
     benchmark of eval.suite (`evaluate_suite`). target_from_run: evaluate against the target the checkpoint's
     run was trained with (`run_target`; evaluate.py sets it when its command line names no target)."""
-    from dflash.dist import current
-
     setup_logging()
     run = find_run(job.run, job.checkpoint)
     if target_from_run:
@@ -273,8 +271,6 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
     against what it was trained on (the fields allowed to differ go to allowed[label])."""
     trained_on = training_manifest(path)
     if job.eval.mode == "live":
-        from dflash.evaluate.live import live_eval
-
         allowed[label] = check_trained_on(trained_on, live_features(target, drafter.target_layer_ids),
                                           job.provenance.allow_mismatch, label, "the live target's features", path)
         return live_eval(job, drafter, target)

@@ -31,6 +31,8 @@ from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash.config import DataConfig, EvalConfig, TargetConfig
+
 log = logging.getLogger(__name__)
 
 SAMPLING = ("eval.temperature", "eval.top_p", "eval.top_k", "eval.selector_draw", "eval.selector_truncation")
@@ -230,8 +232,6 @@ def _read(cfg: dict, key: str):
 
 def _default(key: str):
     """The schema's default of a dotted key (its dataclass field's default or default_factory); None if it has none."""
-    from dflash.config import DataConfig, EvalConfig, TargetConfig
-
     group, *parts = key.split(".")
     cls = {"eval": EvalConfig, "data": DataConfig, "target": TargetConfig}[group]
     field = {f.name: f for f in fields(cls)}[parts[0]]

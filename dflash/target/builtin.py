@@ -19,6 +19,8 @@ import torch
 from dflash.config import TargetConfig
 from dflash.errors import NotFoundError
 from dflash.layout import home
+from dflash.target.tokenizer import FAMILIES, build_tokenizer
+from dflash.target.toy import SHIPPED, install_shipped
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,6 @@ def is_current(name: str, dest: Path) -> bool:
         return False
     if name != "toy":
         return True
-    from dflash.target.toy import SHIPPED
 
     shipped = SHIPPED / "toy_info.json"
     return not shipped.exists() or (
@@ -172,8 +173,6 @@ def is_current(name: str, dest: Path) -> bool:
 def build(name: str, dest: Path) -> None:
     """Write target `name` (toy, or one of TINY) into the empty directory `dest`."""
     if name == "toy":
-        from dflash.target.toy import SHIPPED, install_shipped
-
         if not install_shipped(dest):  # a build from scratch would be the first of its recorded stages only
             raise NotFoundError(
                 f"the shipped toy target is missing ({SHIPPED / 'config.json'} does not exist): reinstall dflash "
@@ -181,8 +180,6 @@ def build(name: str, dest: Path) -> None:
                 f"docs/results/2026-12-02-toy-target.md lists, into target.path")
         return
     from transformers import AutoModelForCausalLM
-
-    from dflash.target.tokenizer import FAMILIES, build_tokenizer
 
     make_config, family = TINY[name]
     tokenizer = build_tokenizer(family=family)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.target.layer_ids import build_target_layer_ids
+
 
 def layer_pattern(config, num_layers: int) -> list[str]:
     """`config.layer_types` continued to `num_layers` layers with its period (Qwen3.5: 3 Gated DeltaNet
@@ -79,8 +81,6 @@ class LookaheadHeads(nn.Module):
     def attach(cls, model, offsets: tuple[int, ...]) -> LookaheadHeads:
         """Heads that read the last of the 5 layers a drafter reads from `model` (the reference formula),
         caught by a forward hook at each forward of `model`; `heads.loss(labels, output_embedding)` after it."""
-        from dflash.target.layer_ids import build_target_layer_ids
-
         heads = cls(model.config.hidden_size, offsets, model.config.rms_norm_eps)
         heads.layer = build_target_layer_ids(model.config.num_hidden_layers, 5)[-1]
         model.model.layers[heads.layer].register_forward_hook(

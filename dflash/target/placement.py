@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dflash.errors import ConfigError
+from dflash.target.sharding import sharded_parameters
 
 GiB = 2**30
 ALLOWANCE = 2 * GiB
@@ -25,8 +26,6 @@ def parameter_count(hf_config, trust_remote_code: bool = False, tensor_parallel:
     dflash.target.sharding.sharded_parameters), counted on the meta device: nothing is allocated and no weights
     are read."""
     from transformers import AutoModelForCausalLM
-
-    from dflash.target.sharding import sharded_parameters
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)

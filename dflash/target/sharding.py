@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import ConfigError
+from dflash.target.identity import moe_experts
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,6 @@ def expert_parallel(text_config) -> bool:
     """Whether sharding splits the target's experts too: an MoE family with transformers' expert-parallel plan
     (its experts then go to the group's processes, ep_size = tensor_parallel; without it every process would hold
     all of them, which is most of an MoE target's weights)."""
-    from dflash.target.identity import moe_experts
-
     return bool(getattr(text_config, "base_model_ep_plan", None)) and bool(moe_experts(text_config)[0])
 
 

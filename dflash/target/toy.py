@@ -46,7 +46,8 @@ import torch
 
 from dflash.errors import NotFoundError
 from dflash.io import write_json
-from dflash.target.tokenizer import prompt_ids
+from dflash.target.lookahead import LookaheadHeads, deepen
+from dflash.target.tokenizer import build_tokenizer, prompt_ids
 from dflash.target.toy_measure import continuations, held_out_loss
 
 log = logging.getLogger(__name__)
@@ -253,9 +254,6 @@ def build_toy_target(dest: Path, steps: int = 1200, seed: int = 0, batch: int = 
     output projections: dflash/target/lookahead.py). `lookahead`: offsets k; the last of the 5 layers a drafter
     reads also learns the token at q+k at each position q, its loss weighted `lookahead_weight`."""
     from transformers import Qwen3_5ForCausalLM, get_cosine_schedule_with_warmup
-
-    from dflash.target.lookahead import LookaheadHeads, deepen
-    from dflash.target.tokenizer import build_tokenizer
 
     t0 = time.time()
     torch.manual_seed(seed)

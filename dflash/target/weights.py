@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dflash.errors import TargetError
+from dflash.io import read_json
 from dflash.target.quantization import check_heads
 
 
@@ -59,8 +60,6 @@ def load_heads(model_dir: Path, text_config, dtype: torch.dtype, device: torch.d
 def _tied_heads(model_dir: Path, text_config) -> bool:
     """Whether the checkpoint ties lm_head to embed_tokens: its text config says so, or (a composite such as
     Qwen3_5ForConditionalGeneration, whose top-level flag is the one transformers ties by) its config.json."""
-    from dflash.io import read_json
-
     top = model_dir / "config.json"
     return bool(getattr(text_config, "tie_word_embeddings", False)
                 or (top.exists() and read_json(top).get("tie_word_embeddings", False)))

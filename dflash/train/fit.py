@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from dflash.config import JobConfig, TrainConfig
+from dflash.drafter.build import build_drafter
+from dflash.drafter.model import DFlashDraftModel
 from dflash.errors import ConfigError
 from dflash.target import placement
 from dflash.target.loading import DTYPES, Target, read_config
@@ -43,8 +45,6 @@ def world_size() -> int:
 def meta_drafter(job: JobConfig, text_config):
     """The configured drafter built on the meta device (nothing allocated); None when drafter.init_from has no
     config.json (loading it later says what is missing)."""
-    from dflash.drafter.build import build_drafter
-    from dflash.drafter.model import DFlashDraftModel
 
     with torch.device("meta"):
         if job.drafter.init_from:

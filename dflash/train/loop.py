@@ -28,6 +28,7 @@ from dflash.drafter.recompute import compile_layers, use_checkpointing
 from dflash.drafter.selector_loss import CodebookSpan, served_selector
 from dflash.errors import CheckpointError, ConfigError, TrainingError
 from dflash.evaluate import heldout
+from dflash.evaluate.runner import evaluate_in_run
 from dflash.io import write_text
 from dflash.layout import RunLayout
 from dflash.provenance import check_provenance
@@ -292,8 +293,6 @@ def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout,
     drafter = full_drafter(acc, m)
     summary = None
     if acc.is_main_process and heldout_set is not None:
-        from dflash.evaluate.runner import evaluate_in_run
-
         with served_selector(drafter, job.loss.selector_shrink):  # the drafter as its checkpoint will serve it
             summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
     del drafter
