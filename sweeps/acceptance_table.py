@@ -2,16 +2,18 @@
 
     python sweeps/acceptance_table.py runs/acceptance [runs/dflash2=decay_ce]   # extra roots: root=arm
 
-Per arm (the run name before -s<seed>): the greedy walk tau of the final in-run evaluation (greedy held-out set)
-and the expected walk tau at temperature 1 (evaluate.py eval.temperature=1.0: eval/step-000768-t1, or an older
+Per arm (dflash.report's arms: configs that differ in train.seed only; named by the run name before -s<seed>): the
+greedy walk tau of the final in-run evaluation (greedy held-out set) and the expected walk tau at temperature 1 (evaluate.py eval.temperature=1.0: eval/step-000768-t1, or an older
 sampled evaluation in eval/step-000768), mean and sample sd over seeds, and the seeds it has.
 """
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
+
+from dflash.layout import RunLayout
+from dflash.report.compare import load_run, named_arms
 
 
 def final(run: Path) -> tuple[float | None, float | None]:
@@ -29,14 +31,12 @@ def main(args: list[str]) -> None:
     arms: dict[str, list[tuple[int, float | None, float | None]]] = {}
     for spec in args:
         root, _, rename = spec.partition("=")
-        for run in sorted(Path(root).iterdir()):
-            match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-            if not match or not (run / "eval").exists():
+        runs = [load_run(run) for run in sorted(Path(root).iterdir())
+                if RunLayout(run).metrics.exists() and (run / "eval").exists()]
+        for name, members in named_arms(runs).items():  # dflash.report's arms: configs that differ in seed only
+            if rename and name != "dflash":
                 continue
-            arm = rename or match.group(1)
-            if rename and match.group(1) != "dflash":
-                continue
-            arms.setdefault(arm, []).append((int(match.group(2)), *final(run)))
+            arms[rename or name] = [(r["config"].get("train.seed"), *final(r["path"])) for r in members]
     print("| arm | seeds | walk tau, greedy | sd | expected walk tau, T = 1 | sd |")
     print("|---|---|---|---|---|---|")
     for arm, rows in arms.items():

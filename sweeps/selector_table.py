@@ -2,7 +2,8 @@
 
     python sweeps/selector_table.py runs/selector [reference arm, default dflash]
 
-Per arm (the run name before -s<seed>), mean and sample sd over seeds, from each run's final in-run evaluation
+Per arm (dflash.report's arms: runs whose configs differ only in train.seed; named by the run name before
+-s<seed>), mean and sample sd over seeds, from each run's final in-run evaluation
 (the 64 held-out prompts, greedy; eval/step-<last>/summary.json) and its last 11 log windows (the last 100 steps):
 walk tau, every-anchor tau, tau_unary, tau_oracle (the oracle gap is oracle - walk), the served-semantics strict
 selector accuracy at slot 1 (eval/acc@1) and train/tau, train/topk_recall; then, prompt by prompt against the
@@ -11,7 +12,6 @@ and its worst loss. The s/step column is the median step time of the windows (va
 """
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from dflash.layout import RunLayout
+from dflash.report.compare import load_run, named_arms
 
 COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle gap", "acc@1", "train/tau",
            "train/topk_recall", "s/step")
@@ -50,12 +51,10 @@ def final_eval(run: Path) -> Path | None:
 
 
 def main(root: str, reference: str = "dflash") -> None:
-    arms: dict[str, dict[int, tuple[dict, dict]]] = {}
-    for run in sorted(Path(root).iterdir()):
-        match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-        final = final_eval(run) if match else None
-        if final is not None:
-            arms.setdefault(match.group(1), {})[int(match.group(2))] = run_row(run, final)
+    done = [path for path in sorted(Path(root).iterdir()) if RunLayout(path).metrics.exists() and final_eval(path)]
+    runs = [load_run(path) for path in done]
+    arms = {name: {r["config"].get("train.seed"): run_row(r["path"], final_eval(r["path"])) for r in members}
+            for name, members in named_arms(runs).items()}  # dflash.report's arms: configs that differ in seed only
     print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
     for arm, seeds in arms.items():

@@ -2,7 +2,8 @@
 
     python sweeps/thinking_table.py runs/thinking
 
-Per arm (the run name before -s<seed>), mean and sample sd over seeds of the evaluation sweeps/thinking.sh ran
+Per arm (dflash.report's arms: configs that differ in train.seed only; named by the run name before -s<seed>),
+mean and sample sd over seeds of the evaluation sweeps/thinking.sh ran
 after training (the 64 held-out renames rendered with thinking on and off, greedy, teacher-forced: the decoding
 walk), read from the newest summary.json of the run's last step that has both thinking slices: its in-run
 evaluation's folder for the mix arm, beside it for the others (evaluate.py at their other data.sources:
@@ -11,12 +12,12 @@ over prompts (tau_macro), and the whole set's tau; then each seed's slice taus.
 """
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 from dflash.layout import RunLayout
+from dflash.report.compare import load_run, named_arms
 
 SLICES = ("on", "off")
 
@@ -54,12 +55,11 @@ def cell(values: list[float]) -> str:
 
 
 def main(root: str) -> None:
-    arms: dict[str, dict[int, dict]] = {}
-    for run in sorted(Path(root).iterdir()):
-        match = re.fullmatch(r"(.+)-s(\d+)", run.name)
-        metrics = summary_of(run) if match else None
-        if metrics:
-            arms.setdefault(match.group(1), {})[int(match.group(2))] = row(metrics)
+    done = {path: metrics for path in sorted(Path(root).iterdir())
+            if RunLayout(path).metrics.exists() and (metrics := summary_of(path))}
+    runs = [load_run(path) for path in done]
+    arms = {name: {r["config"].get("train.seed"): row(done[r["path"]]) for r in members}
+            for name, members in named_arms(runs).items()}  # dflash.report's arms: configs that differ in seed only
     columns = ("tau on", "tau off", "tau_macro on", "tau_macro off", "tau all")
     print("| arm | seeds | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))

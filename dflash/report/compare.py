@@ -96,16 +96,33 @@ SEED_KEYS = ("train.seed",)
 """Config keys that make repeats of one arm (a sweep's seeds), not different arms."""
 
 
-def arm_rows(runs: list[dict], keys: list[str]) -> tuple[list[str], list[dict]]:
-    """Runs grouped by arm (their values of the differing keys other than the seeds), with the mean and spread
-    (sample standard deviation, n-1) over each arm's seeds of the final held-out tau, acc@1 and ddtree@8 and
-    the best tau. Returns (the arm keys, one row per arm, in first-seen order); no rows when no arm has two
-    runs (nothing to average)."""
+def arms_of(runs: list[dict], keys: list[str]) -> tuple[list[str], dict[str, list[dict]]]:
+    """Runs grouped by arm: their values of the differing `keys` other than the seeds (SEED_KEYS). Returns (the arm
+    keys, {arm label ("k=v k=v", or "all"): its runs}, in first-seen order). The report's arm table and the sweeps'
+    tables (sweeps/*_table.py) group with it."""
     arm_keys = [k for k in keys if k not in SEED_KEYS]
     groups: dict[str, list[dict]] = {}
     for r in runs:
         arm = " ".join(f"{k}={_fmt(r['config'].get(k))}" for k in arm_keys) or "all"
         groups.setdefault(arm, []).append(r)
+    return arm_keys, groups
+
+
+def named_arms(runs: list[dict]) -> dict[str, list[dict]]:
+    """`arms_of` over the runs' differing keys, each arm named as a sweep names its runs: their shared name less
+    -s<train.seed> (sweeps/*.sh run <arm>-s<seed>), else the config label. What the sweeps' tables group by."""
+    named = {}
+    for label, members in arms_of(runs, differing_keys(runs))[1].items():
+        stems = {r["name"].removesuffix(f"-s{r['config'].get('train.seed')}") for r in members}
+        named[stems.pop() if len(stems) == 1 else label] = members
+    return named
+
+
+def arm_rows(runs: list[dict], keys: list[str]) -> tuple[list[str], list[dict]]:
+    """Runs grouped by arm (`arms_of`), with the mean and spread (sample standard deviation, n-1) over each arm's
+    seeds of the final held-out tau, acc@1 and ddtree@8 and the best tau. Returns (the arm keys, one row per arm, in
+    first-seen order); no rows when no arm has two runs (nothing to average)."""
+    arm_keys, groups = arms_of(runs, keys)
     if all(len(g) < 2 for g in groups.values()):
         return arm_keys, []
     rows = []
