@@ -81,6 +81,15 @@ def compose(config_name: str = "train", overrides: list[str] | None = None):
     return OmegaConf.to_object(cfg)
 
 
+def tiny_job(config_name: str, tmp, *overrides: str, target: str = "tiny_qwen3", name: str | None = None):
+    """The job most tests run: debug=tiny (conf/debug/tiny.yaml: a random 8-layer target, a 2-layer drafter, short
+    completions) on `target`, its feature cache under `tmp` keyed by the target (one folder serves several
+    targets without mixing their features), runs under tmp/runs, `name` the run.name; `overrides` last, so they win
+    (features.dir included). A test module's own defaults are overrides it passes."""
+    return compose(config_name, ["debug=tiny", f"target={target}", f"features.dir={tmp}/cache/{target}/features",
+                                 f"run.root={tmp}/runs", *([f"run.name={name}"] if name else []), *overrides])
+
+
 @pytest.fixture(scope="session")
 def tiny_targets(dflash_home):
     """The tiny presets, loaded through the real loading path (built on first use)."""

@@ -8,12 +8,11 @@ from dflash.dist import Dist
 from dflash.evaluate import heldout
 from dflash.target import load_target, resolve_layer_ids
 from dflash.target.features import target_forward
-from tests.conftest import compose
+from tests.conftest import tiny_job
 
 
 def heldout_job(tmp_path, *overrides):
-    return compose("evaluate", ["debug=tiny", "target=tiny_qwen3", "eval.max_prompts=2", "eval.max_new_tokens=8",
-                                f"features.dir={tmp_path}/cache/features", *overrides])
+    return tiny_job("evaluate", tmp_path, "eval.max_prompts=2", "eval.max_new_tokens=8", *overrides)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -16,7 +16,7 @@ from dflash.evaluate import heldout
 from dflash.evaluate.runner import evaluate
 from dflash.evaluate.teacher_forced import summarize, teacher_forced
 from dflash.train.loop import train
-from tests.conftest import compose
+from tests.conftest import compose, tiny_job
 from tests.oracle import OracleDrafter
 
 
@@ -57,10 +57,8 @@ def fake_wandb(monkeypatch):
 
 
 def eval_job(tmp, *overrides, target="tiny_qwen3"):
-    return compose("evaluate", [
-        "debug=tiny", f"target={target}", "eval.max_new_tokens=40", "eval.ddtree_budgets=[2,8]", "eval.plots=true",
-        f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs",
-        *overrides])
+    return tiny_job("evaluate", tmp, "eval.max_new_tokens=40", "eval.ddtree_budgets=[2,8]", "eval.plots=true",
+                    *overrides, target=target)
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +397,7 @@ def test_a_complete_heldout_set_evaluates_with_the_heads_alone(tmp_path, monkeyp
     from dflash.target import loading
 
     run = train(eval_job(tmp_path, "run.name=h", "train.max_steps=2", target="tiny_qwen3_5"))
-    [heldout_manifest] = tmp_path.glob("eval-*/features-*/manifest.json")
+    [heldout_manifest] = tmp_path.glob("cache/eval-*/features-*/manifest.json")  # beside the training features
     fallback = json.loads(heldout_manifest.read_text())["kernel_backend"]
     assert "linear_attention=torch_fallback" in fallback
     for path in (heldout_manifest, run / "checkpoints/step-000002/train_state/manifest.json"):

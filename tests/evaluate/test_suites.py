@@ -10,12 +10,11 @@ import pytest
 from dflash.errors import ConfigError, DataError, NotFoundError
 from dflash.evaluate import suite_results, suites
 from dflash.report.summary import mean_metrics
-from tests.conftest import compose
+from tests.conftest import compose, tiny_job
 
 
 def job(tmp, *overrides):
-    return compose("evaluate", ["debug=tiny", f"features.dir={tmp}/cache", f"eval.benchmarks_dir={tmp}/bench",
-                                *overrides])
+    return tiny_job("evaluate", tmp, f"eval.benchmarks_dir={tmp}/bench", *overrides)
 
 
 def write_benchmarks(root, gsm8k_question="What is 2 + 3?"):

@@ -13,7 +13,7 @@ from dflash.errors import ConfigError
 from dflash.evaluate.runner import evaluate
 from dflash.layout import RunLayout
 from dflash.train.loop import train
-from tests.conftest import compose
+from tests.conftest import tiny_job
 from tests.train.test_loop import job_for, metrics
 
 
@@ -48,10 +48,9 @@ def test_a_dflash2_run_trains_both_parts_and_evaluates_its_selector(workdir):
         assert key in summary, key
     assert summary["eval/tau_oracle"] >= summary["eval/tau"]  # gold among the candidates bounds the selector
 
-    job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3", f"run.root={workdir}/runs", "run.name=d2",
-                               *overrides, "checkpoint=latest", "eval=live", "eval.ddtree_budgets=[4]",
-                               "eval.max_prompts=2", "eval.max_new_tokens=24", "eval.selector_beam=3",
-                               f"features.dir={workdir}/cache/tiny_qwen3/tiny/features"])
+    job = tiny_job("evaluate", workdir, *overrides, "checkpoint=latest", "eval=live", "eval.ddtree_budgets=[4]",
+                   "eval.max_prompts=2", "eval.max_new_tokens=24", "eval.selector_beam=3", target="tiny_qwen3",
+                   name="d2")
     live = evaluate(job)  # check_lossless raises on any divergence
     for key in ("eval/live_tau", "eval/live_ddtree@4_tau", "eval/live_ddtree_pair@4_tau", "eval/live_beam_tau",
                 "eval/live_tokens_per_forward"):
@@ -86,7 +85,7 @@ def test_the_zlab_reference_decodes_our_dflash2_checkpoint_as_we_do(workdir, tin
     ours, theirs = load_drafter(str(ckpt)).float().eval(), ref.DFlash2DraftModel.from_pretrained(str(ckpt)).float().eval()
     from dflash.data.cache import FeatureCache
 
-    cache = FeatureCache(workdir / "cache" / "tiny_qwen3" / "tiny" / "features")  # the prompts it trained on
+    cache = FeatureCache(workdir / "cache" / "tiny_qwen3" / "features")  # the prompts it trained on
     accepted = []
     for seed in range(len(cache)):
         seq, mask, _ = cache[seed]
@@ -212,16 +211,16 @@ def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(w
     which a resume reads) times 0.5, every other weight as trained; the in-run evaluation scores that served
     codebook, and training goes on with the trained one (the resumed run's next checkpoint again serves half of its
     float32 copy)."""
-    from dflash.evaluate import runner
+    from dflash.train import loop as training  # train() calls its evaluate_in_run
     from dflash.layout import CheckpointLayout
 
-    seen, real = [], runner.evaluate_in_run
+    seen, real = [], training.evaluate_in_run
 
     def spy(job, drafter, *args, **kwargs):
         seen.append(drafter.candidate_selector.predecessor_codebook.detach().clone())
         return real(job, drafter, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "evaluate_in_run", spy)
+    monkeypatch.setattr(training, "evaluate_in_run", spy)
     overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "loss.selector_shrink=0.5")
     run = train(job_for(workdir, "shrink", *overrides, "train.max_steps=2", target="tiny_qwen3"))
     train(job_for(workdir, "shrink", *overrides, "train.max_steps=3", "train.resume=latest", target="tiny_qwen3"))
@@ -268,16 +267,16 @@ def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workd
     import shutil
 
     from dflash.drafter.build import build_drafter, load_drafter
-    from dflash.evaluate import runner
+    from dflash.train import loop as training  # train() calls its evaluate_in_run
     from dflash.layout import CheckpointLayout
 
-    seen, real = [], runner.evaluate_in_run
+    seen, real = [], training.evaluate_in_run
 
     def spy(job, drafter, *args, **kwargs):
         seen.append(drafter.candidate_selector.predecessor_codebook.detach().clone())
         return real(job, drafter, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "evaluate_in_run", spy)
+    monkeypatch.setattr(training, "evaluate_in_run", spy)
     key = "candidate_selector.predecessor_codebook"
     overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "eval.at_start=true")
     base = RunLayout(train(job_for(workdir, "init-base", *overrides, "train.max_steps=2", target="tiny_qwen3")))

@@ -122,12 +122,12 @@ import sys
 from dflash.train import accel, loop
 
 
-def make_accelerator(job):
+def make_accelerator(train):
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    assert job.train.distributed == "fsdp"
+    assert train.distributed == "fsdp"
     plugin = accel.fsdp_plugin()
     acc = Accelerator(mixed_precision="no", fsdp_plugin=plugin, cpu=True, step_scheduler_with_optimizer=False)
     assert acc.distributed_type == DistributedType.MULTI_CPU

@@ -13,7 +13,7 @@ from dflash.layout import CheckpointLayout, RunLayout
 from dflash.train import loop as training
 from dflash.train import step as stepping
 from dflash.train.loop import train
-from tests.conftest import compose
+from tests.conftest import compose, tiny_job
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,7 @@ def workdir(tmp_path_factory):
 
 
 def job_for(workdir: Path, name: str, *overrides: str, target="tiny_qwen3_5"):
-    return compose("train", [
-        "debug=tiny", f"target={target}", "eval.max_prompts=3", "optim.lr=3e-3",
-        f"features.dir={workdir}/cache/{target}/tiny/features", f"run.root={workdir}/runs", f"run.name={name}",
-        *overrides])
+    return tiny_job("train", workdir, "eval.max_prompts=3", "optim.lr=3e-3", *overrides, target=target, name=name)
 
 
 def metrics(run_dir: Path) -> list[dict]:

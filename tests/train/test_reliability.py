@@ -22,13 +22,13 @@ from dflash.layout import RunLayout
 from dflash.provenance import GUARDED_FIELDS, check_provenance
 from dflash.train import checkpoints as ckpt
 from dflash.train.loop import train
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, compose, tiny_job
 
 FAST = ["debug=tiny"]  # conf/debug/tiny.yaml: tiny target and drafter, short completions
 
 
 def job(tmp, *overrides):
-    return compose("train", FAST + [f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs", *overrides])
+    return tiny_job("train", tmp, *overrides)
 
 
 # -- kill and resume ------------------------------------------------------------------------------
@@ -138,8 +138,7 @@ def test_checkpoint_missing_a_file_is_named(finished_run):
     from dflash.evaluate.runner import evaluate
 
     with pytest.raises(CheckpointError, match="missing model.safetensors"):
-        evaluate(compose("evaluate", FAST + [f"features.dir={tmp}/cache/features", f"run.root={tmp}/runs",
-                                             "run.name=broken", "checkpoint=step1"]))
+        evaluate(tiny_job("evaluate", tmp, "run.name=broken", "checkpoint=step1"))
 
 
 @pytest.mark.parametrize("field", GUARDED_FIELDS)

@@ -11,7 +11,7 @@ from dflash.data.prompts import prompts_hash
 from dflash.data.stamp import Stamp
 from dflash.errors import CacheError
 from dflash.train import sources
-from tests.conftest import compose
+from tests.conftest import compose, tiny_job
 
 
 def write_prompts(path, n):
@@ -19,8 +19,7 @@ def write_prompts(path, n):
 
 
 def job_for(tmp_path, prompts, *overrides):
-    return compose("train", ["debug=tiny", f"data.prompts={prompts}", f"features.dir={tmp_path}/features",
-                             *overrides])
+    return tiny_job("train", tmp_path, f"data.prompts={prompts}", *overrides)
 
 
 def manifest_of(job):

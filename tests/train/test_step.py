@@ -14,7 +14,7 @@ from dflash.drafter import blocks as packing
 from dflash.errors import TrainingError
 from dflash.train import loop
 from dflash.train import step as stepping
-from tests.conftest import compose
+from tests.conftest import tiny_job
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "argwhere",
          "masked_select", "unique"}
@@ -75,9 +75,8 @@ def workdir(tmp_path_factory):
 
 
 def job_for(workdir: Path, name: str, *overrides: str):
-    return compose("train", ["debug=tiny", "target=tiny_qwen3_5", "eval.at_start=false", "eval.max_prompts=1",
-                             f"features.dir={workdir}/cache/features", f"run.root={workdir}/runs", f"run.name={name}",
-                             *overrides])
+    return tiny_job("train", workdir, "eval.at_start=false", "eval.max_prompts=1", *overrides, target="tiny_qwen3_5",
+                    name=name)
 
 
 def test_a_step_of_four_micro_batches_reads_back_from_the_device_once(workdir, monkeypatch):
