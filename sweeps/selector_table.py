@@ -16,8 +16,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
 from dflash.layout import RunLayout
 from dflash.report.compare import load_run, named_arms
 
@@ -25,16 +23,17 @@ COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle ga
            "train/topk_recall", "s/step")
 
 
-def run_row(run: Path, final: Path) -> tuple[dict, dict]:
-    """(the columns, {prompt: walk tau}) of one run whose last evaluation's summary.json is `final`."""
+def run_row(run: dict, final: Path) -> tuple[dict, dict]:
+    """(the columns, {prompt: walk tau}) of one run (dflash.report's load_run: its metrics and flattened config)
+    whose last evaluation's summary.json is `final`."""
     summary = json.loads(final.read_text())
     m = summary["metrics"]
-    windows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"train/tau"' in line]
+    windows = [w for w in run["metrics"] if "train/tau" in w]
     last = [w for w in windows if w["step"] >= windows[-1]["step"] - 100] if windows else []
     mean = lambda key: statistics.mean(w[key] for w in last) if last and key in last[0] else None  # noqa: E731
     rate = statistics.median(w["train/anchors_per_s"] for w in windows) if windows else None
-    train = yaml.safe_load((run / "config.yaml").read_text())["train"]
-    per_step = train["batch_size"] * train["num_anchors"] * train["grad_accum"]
+    c = run["config"]
+    per_step = c["train.batch_size"] * c["train.num_anchors"] * c["train.grad_accum"]
     row = {"walk tau": m["eval/tau"], "every-anchor tau": m.get("eval/tau_all_anchors"),
            "tau_unary": m.get("eval/tau_unary"), "tau_oracle": m.get("eval/tau_oracle"),
            "oracle gap": (m["eval/tau_oracle"] - m["eval/tau"]) if "eval/tau_oracle" in m else None,
@@ -51,9 +50,10 @@ def final_eval(run: Path) -> Path | None:
 
 
 def main(root: str, reference: str = "dflash") -> None:
-    done = [path for path in sorted(Path(root).iterdir()) if RunLayout(path).metrics.exists() and final_eval(path)]
+    done = {path: final for path in sorted(Path(root).iterdir())
+            if RunLayout(path).metrics.exists() and (final := final_eval(path))}
     runs = [load_run(path) for path in done]
-    arms = {name: {r["config"].get("train.seed"): run_row(r["path"], final_eval(r["path"])) for r in members}
+    arms = {name: {r["config"].get("train.seed"): run_row(r, done[r["path"]]) for r in members}
             for name, members in named_arms(runs).items()}  # dflash.report's arms: configs that differ in seed only
     print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))

@@ -136,7 +136,8 @@ class DrafterConfig:
     """dflash2: rank r of the selector's predecessor/successor codebooks [vocab, r]."""
     selector_top_k: int = 32
     """dflash2: candidates K per slot, the unary top-K of the target head's logits. 32 since issue 50's sweep (walk
-    tau +0.07 over 16 on the toy, docs/results/2026-12-03-dflash2.md); the published drafters' 16 is the drafter=dflash2 presets'."""
+    tau +0.07 over 16 on the toy, docs/results/2026-12-03-dflash2.md); the published drafters' 16 is the
+    drafter=dflash2 presets'."""
 
     def __post_init__(self) -> None:
         one_of("drafter.kind", self.kind, {"dflash", "dflash2"})
@@ -255,7 +256,8 @@ class LossConfig:
     """dflash2: the served selector's pairwise term is the trained one times this (its predecessor codebook scaled
     in every checkpoint's servable weights and in in-run evaluation; training's scores and its float32 copy keep
     the trained one); train/tau scores the choice with it. Below 1 it shrinks a selector that over-fits its
-    training answers towards the unary scores: 0.6 (issue 50's sweep, docs/results/2026-12-03-dflash2.md); 1 serves it as trained."""
+    training answers towards the unary scores: 0.6 (issue 50's sweep, docs/results/2026-12-03-dflash2.md); 1 serves it
+    as trained."""
     selector_span: str = "free"
     """dflash2: free (each token's codebook rows its own) or embedding (after every optimizer step each codebook is
     projected onto the span of the target's token vectors, its embeddings for the predecessor's and its head's rows

@@ -4,8 +4,8 @@ drafter and target just evaluated, at eval.serving_concurrency on eval.serving_g
 The model takes the measured chain tau (eval/live_tau), the requests' mean context (prompt plus half the answer:
 the KV cache a decode step reads, on average) and mean answer length, and the two models' shapes as the plan
 counts them (parameters a token runs through, weights and KV bytes in bf16). It is a model of a GPU engine, not a
-measurement of this machine: `python -m bench.serving` measures a sweep in vLLM, docs/results/2026-12-05-serving.md says how close
-the model came."""
+measurement of this machine: `python -m bench.serving` measures a sweep in vLLM, docs/results/2026-12-05-serving.md
+says how close the model came."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from dflash.errors import ConfigError, DFlashError
 from dflash.plan import costs
 from dflash.plan.compose import CONF, compose
 from dflash.plan.flops import train_flops
-from dflash.plan.memory import GiB, Setup, Shape
+from dflash.plan.memory import MODE_WORDS, GiB, Setup, Shape
 from dflash.plan.targets import TARGETS
 from dflash.target.identity import moe_experts as read_experts
 from dflash.target.loading import DTYPES, local_model_dir
@@ -135,8 +135,6 @@ def read_tau(spec: str, target_path: str, block_size: int) -> tuple[float, str]:
     return float(e["tau"][bench]), f"{e['name']}, {bench}, temperature {e.get('temperature')}: {e['source']}"
 
 
-
-
 def moe_experts(text) -> tuple[int, int]:
     """(experts, experts a token runs through) of a text config's MoE layers (dflash.target.identity's reading of
     the families' spellings); (0, 0) for a dense model, or one whose experts per token the config does not say."""
@@ -181,9 +179,9 @@ def shape_of(drafter, vocab: int, tied: bool = False, **target) -> Shape:
                  selector_top_k=selector.top_k if selector is not None else 0, **target)
 
 
-PLAN_CHECKPOINTING = {"off": False, "selective": "selective", "full": True, "auto": False}
+PLAN_CHECKPOINTING = {**{mode: value for value, mode in MODE_WORDS.items()}, "auto": False}
 """Setup.checkpointing, the plan's value (as its tables and JSON print it: false, "selective", true), of each
-train.gradient_checkpointing mode; memory.MODE_WORDS turns it back into the mode."""
+train.gradient_checkpointing mode: memory.MODE_WORDS read backwards, and auto (decided for a device) as off."""
 
 
 def checkpointing_of(mode: str) -> bool | str:

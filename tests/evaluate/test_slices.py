@@ -41,7 +41,8 @@ def test_a_prompt_id_with_a_slash_is_its_own_id_without_a_mixture():
     m = slice_metrics(steps, plain, "eval")
     assert [k for k in m if k.endswith("/tau")] == ["eval/slice/source/all/tau", "eval/slice/thinking/off/tau"]
     assert m["eval/slice/source/all/prompts"] == 2
-    mixed = slicers_of(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE, "eval.slices=[source,thinking]"]))
+    mixed = slicers_of(compose("evaluate", ["target=tiny_qwen3_5", "data=tiny", MIXTURE,
+                                            "eval.slices=[source,thinking]"]))
     m = slice_metrics([({"prompt_id": "think/gsm8k/12", "anchor": 0}, 3)], mixed, "eval")
     assert m["eval/slice/source/think/tau"] == 3.0 and m["eval/slice/thinking/on/tau"] == 3.0
 

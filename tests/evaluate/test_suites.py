@@ -164,7 +164,8 @@ def test_the_paper_suite_reads_all_nine_benchmarks_in_their_public_fields(tmp_pa
                    "mbpp": "2", "livecodebench": "abc", "mt_bench": "81", "alpaca": "0"}
     paper = compose("evaluate", ["eval=paper"])  # debug=tiny shortens the completions; the preset does not
     assert paper.eval.max_new_tokens == 2048 and paper.eval.temperature == 0.0
-    assert paper.eval.protocol == "zlab" and suites.protocol_thinking(paper.data, paper.eval) is False  # "thinking off", as it says
+    assert paper.eval.protocol == "zlab"
+    assert suites.protocol_thinking(paper.data, paper.eval) is False  # "thinking off", as it says
     assert paper.eval.references == "dflash_paper"
     assert suites.SUITES["zlab"] == ["gsm8k", "math500", "humaneval", "mbpp", "mt_bench"]  # 0.1.0's DATASETS
 
