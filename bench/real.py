@@ -10,7 +10,7 @@ ShareGPT first turns (data=sharegpt), each stage timed alone, beside what bounds
 - extraction: the target's features (dflash.target.features.target_forward) in tokens a second.
 - training: the real training loop (dflash.train.loop.train, data loading and optimizer included) at 2 sequences x
   8, 16, 32 and 64 anchors, a step's time from the loop's own logged times, on a feature cache made here.
-- live: plain and speculative greedy decoding alternated per prompt (dflash.evaluate.decode), with the drafter
+- live: plain and speculative greedy decoding alternated per prompt (dflash.drafter.decoding.engine), with the drafter
   given (--drafter) or an untrained one (tau 1: then the figures are the costs, not a speed-up).
 Goals (issue 66, item 3): regeneration at batch 32 at least 60 tokens/s and within 1.5x of the rate one batched
 decode step implies (at 64 new tokens, the issue's shape); a training step at 2 x 8 anchors at most 1 s. The decode
@@ -196,7 +196,7 @@ def live(drafter: str | None, quick: bool) -> dict:
     from dflash.config import DrafterConfig, LayersConfig
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.drafter.build import build_drafter, load_drafter
-    from dflash.evaluate.decode import greedy_generate, speculative_generate
+    from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
     from dflash.target import load_target
 
     target = load_target(compose_job("evaluate", RECIPE).target, torch.device("cpu"))

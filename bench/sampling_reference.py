@@ -1,6 +1,6 @@
 """Speculative sampling, ours against the z-lab reference decoder, on one checkpoint (issue: sampling at
 temperature). Both decode the same held-out prompts at the same temperature / top-p / top-k with the same
-drafter weights: ours (dflash.evaluate.decode.speculative_generate, rejection sampling) and the reference's
+drafter weights: ours (dflash.drafter.decoding.engine.speculative_generate, rejection sampling) and the reference's
 `dflash_generate` (`dflash` 0.1.0 model.py, unpacked by `make test` beside the venv, imported under another
 name). The figure is the tau each reaches (tokens committed per verification, pooled over prompts, with its
 standard error over prompts); the texts differ (each samples), so only the distributions of tau compare. At
@@ -53,8 +53,8 @@ def main(argv: list[str]) -> dict:
     from dflash.config import register_configs
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.drafter.build import load_drafter
+    from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
     from dflash.drafter.metrics import ratio_se
-    from dflash.evaluate.decode import greedy_generate, speculative_generate
     from dflash.target import load_target
 
     register_configs()

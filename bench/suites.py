@@ -13,8 +13,8 @@ from bench.gpu import steps
 from bench.measure import matmul_call, paired_times, timed
 from dflash.data import cache as fcache
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
-from dflash.drafter.loss import block_loss, slot_weights
 from dflash.drafter.build import drafter_config
+from dflash.drafter.loss import block_loss, slot_weights
 from dflash.drafter.model import DFlashDraftModel
 from dflash.layout import CacheLayout
 from dflash.plan.flops import train_flops
@@ -262,7 +262,7 @@ def live(quick: bool, device, drafter: str | None, **_) -> dict:
     """Real speculative decoding: tokens per target forward and wall time against plain decoding."""
     from dflash.config import DrafterConfig, LayersConfig
     from dflash.drafter.build import build_drafter, load_drafter
-    from dflash.evaluate.decode import greedy_generate, speculative_generate
+    from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
 
     name, target = _bench_target(device)
     if drafter:

@@ -1,8 +1,8 @@
-"""Kept for users' scripts: live speculative decoding lives in dflash.evaluate.decode.
+"""For users' scripts: live speculative decoding is the room dflash.drafter.decoding (its engine module).
 
     from dflash.decode import speculative_generate
 """
 
-from dflash.evaluate.decode import SpecResult, greedy_generate, speculative_generate
+from dflash.drafter.decoding.engine import SpecResult, greedy_generate, speculative_generate
 
 __all__ = ["SpecResult", "greedy_generate", "speculative_generate"]

@@ -90,6 +90,19 @@ def tiny_job(config_name: str, tmp, *overrides: str, target: str = "tiny_qwen3",
                                  f"run.root={tmp}/runs", *([f"run.name={name}"] if name else []), *overrides])
 
 
+def modules_loaded(imports: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    """The modules named by `prefixes` that importing `imports` loads, in a fresh interpreter: what a room's
+    import pulls in (DESIGN §1)."""
+    import ast
+    import subprocess
+    import sys
+
+    code = (f"import sys\nimport {', '.join(imports)}\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({tuple(prefixes)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out)
+
+
 @pytest.fixture(scope="session")
 def tiny_targets(dflash_home):
     """The tiny presets, loaded through the real loading path (built on first use)."""

@@ -13,8 +13,8 @@ from bench.measure import TensorPeak
 from dflash.dist import Dist
 from dflash.drafter.blocks import pack_blocks, packed_attention_masks
 from dflash.drafter.build import build_drafter
+from dflash.drafter.decoding.engine import speculative_generate
 from dflash.evaluate import heldout
-from dflash.evaluate.decode import speculative_generate
 from dflash.evaluate.teacher_forced import teacher_forced
 from dflash.evaluate.walk import walk
 from dflash.plan.compose import compose as plan_groups

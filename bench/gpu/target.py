@@ -188,7 +188,7 @@ def live_lossless(device, dtypes=("float32", "bfloat16"), prompts: int = 2, new_
     from dflash.config import DrafterConfig, LayersConfig, TargetConfig
     from dflash.data.prompts import encode, load_prompts, prompt_text
     from dflash.drafter.build import build_drafter
-    from dflash.evaluate.decode import greedy_generate, speculative_generate
+    from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
     from dflash.target.features import target_forward
     from dflash.target.loading import load_target
     from tests.oracle import OracleDrafter

@@ -143,7 +143,7 @@ class TrainConfig:
 
 
 SELECTOR_DRAWS = ("candidates", "vocabulary", "unary")
-"""eval.selector_draw's values (dflash.drafter.sampling.SelectorDraw)."""
+"""eval.selector_draw's values (dflash.drafter.decoding.sampling.SelectorDraw)."""
 
 
 @dataclass
@@ -190,9 +190,9 @@ class EvalConfig:
     top_k: int = 0
     """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
     selector_draw: str = "candidates"
-    """DFlash 2 at temperature > 0, what its chain is drawn from (dflash.drafter.sampling.SelectorDraw): candidates
-    (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the unary
-    logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
+    """DFlash 2 at temperature > 0, what its chain is drawn from (dflash.drafter.decoding.sampling.SelectorDraw):
+    candidates (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the
+    unary logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
     unary (the unary head alone, DFlash's drafting). Recorded in summary.json and the metrics' namespace."""
     selector_beam: int = 1
     """DFlash 2 at temperature 0: beside its greedy walk, draft the chain a beam of this width finds over the
@@ -215,7 +215,7 @@ class EvalConfig:
     """At temperature > 0, the held-out set stores the target's top-k next-token distribution, k = this, for the
     expected acceptance: exact when k covers the vocabulary or eval.top_k <= k; otherwise at temperature 1 alpha
     is an upper bound (the other tokens are one bucket), at other temperatures the k tokens are renormalised
-    (dflash.drafter.sampling.stored_probs)."""
+    (dflash.drafter.decoding.sampling.stored_probs)."""
     compare: list[str] = field(default_factory=list)
     """Other drafter directories (z-lab layout) evaluated on exactly the same blocks, each a row labelled by its
     folder's name or, where two drafters (the checkpoint too) share one, by the shortest end of their paths that

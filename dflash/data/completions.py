@@ -145,7 +145,7 @@ def generate_hf(target, texts: list[str], cfg: CompletionsConfig, stop_ids: list
     enc = left_padded(tok, texts).to(target.device)
     strings = StopStrings(tok, cfg.stop) if cfg.stop else None
     extra = {"stopping_criteria": StoppingCriteriaList([strings.criteria])} if strings is not None else {}
-    if cfg.temperature > 0:  # HF applies temperature, then top-k, then top-p, as dflash.drafter.sampling does
+    if cfg.temperature > 0:  # HF applies temperature, then top-k, then top-p, as dflash.drafter.decoding.sampling does
         # top_k always given (0 = off): left out, generate applies its default top_k of 50
         extra.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
         torch.manual_seed(cfg.seed * 1_000_003 + int(text_sha(texts[0])[:8], 16))

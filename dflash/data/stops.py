@@ -2,7 +2,7 @@
 
 A stop string stops generation at the token that completes it; that token and those before it are kept (the
 text may run past the string inside that token). transformers' StopStringCriteria decides it, as `generate`
-does while it makes the completions (dflash.data.completions), so live decoding (dflash.evaluate.decode) and the
+does while it makes the completions (dflash.data.completions), so live decoding (dflash.drafter.decoding.engine) and the
 teacher-forced walk over those completions stop at the same token, also for a string split over several tokens.
 """
 

@@ -264,7 +264,7 @@ def walk_path(cand: torch.Tensor, first: torch.Tensor, table: torch.Tensor, dept
     cand [S, K], first [K], table [S-1, K, K] (one block of `selector_tables`); depth: slots to walk (default
     all S). Without `draw` it takes the best candidate (temperature 0) and reads its argmax table back once: no
     per-slot sync. draw(scores [K], slot) -> index samples a candidate from the slot's scores (the caller
-    applies the sampling transform, dflash.drafter.sampling, and keeps the distribution it drew from).
+    applies the sampling transform, dflash.drafter.decoding.sampling, and keeps the distribution it drew from).
     """
     S = cand.shape[0] if depth is None else min(depth, cand.shape[0])
     if S <= 0:

@@ -2,7 +2,7 @@
 of the target. Greedy decoding (and sampling with eval.verifier=seeded) is checked against plain decoding
 token for token; sampling verified by rejection sampling writes other text than plain sampling with the same
 seed, so it is not compared token by token: its losslessness is a property of the output distribution,
-shown statistically by tests/evaluate/test_lossless_sampling.py.
+shown statistically by tests/drafter/decoding/test_lossless_sampling.py.
 
 A conversation (a prompt with later user turns, e.g. MT-Bench's two) is decoded turn by turn, each turn a request
 of its own (id <id>:turn2, ...), its earlier answers what the drafted chain decoded before, as the reference
@@ -23,9 +23,9 @@ path.
 Wall-clock, measured on this machine: each request is decoded plainly, then by each verifier in turn, in one process,
 so drift of the machine (clocks, other jobs) falls on all of them alike. `tokens_per_s` is generated tokens over
 decoding seconds, the prefill included (plain: eval/live_plain_tokens_per_s), and `speedup` the speculative one over
-the plain one. Each speculative decoding's time is split (dflash.evaluate.decode.Clock) into `prefill_s`, `draft_s`
-(the drafter's forwards, head, selector and trees), `verify_s` (the target's verification forwards) and `other_s`
-(acceptance, cache trimming, masks); `draft_ms_per_step` and `verify_ms_per_step` are per block, and
+the plain one. Each speculative decoding's time is split (dflash.drafter.decoding.engine.Clock) into `prefill_s`,
+`draft_s` (the drafter's forwards, head, selector and trees), `verify_s` (the target's verification forwards) and
+`other_s` (acceptance, cache trimming, masks); `draft_ms_per_step` and `verify_ms_per_step` are per block, and
 `verify_over_plain` is a verification's time over one plain decoding step's (eval/live_plain_ms_per_token, the
 prompt's forward excluded): the price of verifying a block in plain steps. The serving prediction
 (dflash.evaluate.serving) is the cost model's for eval.serving_gpu, from the live tau alone, not a measurement."""
@@ -45,10 +45,10 @@ from dflash.data.mixture import item_id, views
 from dflash.data.prompts import encode, load_prompts, prompt_text, turn_id, turn_messages
 from dflash.data.stops import StopStrings
 from dflash.data.tools import ToolConversations, involves_tools
+from dflash.drafter.decoding.engine import Clock, greedy_generate, speculative_generate
+from dflash.drafter.decoding.sampling import Sampling
 from dflash.drafter.metrics import ratio_se, tau_histogram
-from dflash.drafter.sampling import Sampling
 from dflash.errors import LosslessError
-from dflash.evaluate.decode import Clock, greedy_generate, speculative_generate
 from dflash.evaluate.serving import serving_prediction
 from dflash.evaluate.slices import slice_metrics, slicers
 from dflash.target.features import target_forward
@@ -136,7 +136,7 @@ def warm_up(drafter, target: Target, ids: torch.Tensor, tokens: int, verifiers: 
 
 def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
     """Per-step records and a summary of live decoding: the drafted chain and each DDTree budget, on every
-    target (hybrid ones verify a tree as a batch of its paths, dflash.evaluate.verify)."""
+    target (hybrid ones verify a tree as a batch of its paths, dflash.drafter.decoding.verify)."""
     cfg, data = job.eval, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
@@ -151,7 +151,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                *([(None, "beam")] if dflash2 and cfg.selector_beam > 1 else []),
                *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
-    # one clock per verifier, its parts summed over the requests (dflash.evaluate.decode.Clock)
+    # one clock per verifier, its parts summed over the requests (dflash.drafter.decoding.engine.Clock)
     totals = {b: {**dict.fromkeys(fields, 0), "taus": [], "per_prompt": [], "clock": Clock(target.device)}
               for b in budgets}
     records, plain_time, plain_tokens, ties, requests, prompt_tokens = [], 0.0, 0, 0, 0, 0

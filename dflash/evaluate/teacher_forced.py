@@ -20,9 +20,10 @@ from dflash.data.prompts import conversation_id
 from dflash.data.tools import tool_items
 from dflash.drafter import metrics
 from dflash.drafter.blocks import draft_packed, eligible_anchors, pack_blocks
-from dflash.drafter.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
+from dflash.drafter.decoding.ddtree import accepted_length, build_tree_pairwise, ddtree_tau
+from dflash.drafter.decoding.sampling import (Sampling, SelectorDraw, probs, selector_rows, stored_acceptance,
+                                              stored_probs)
 from dflash.drafter.dflash2 import beam_path
-from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows, stored_acceptance, stored_probs
 from dflash.errors import CacheError
 from dflash.evaluate.slices import slice_metrics
 from dflash.evaluate.walk import (accepted_weights, alpha_weights, expected_blocks, span, variant_key, verify_depth,
@@ -153,7 +154,7 @@ def slot_rates(logits: torch.Tensor, selected: tuple | None, stored, anchors: to
 
     logits [n, S, V]: the drafter's; selected: DFlash 2's (scores [n, S, K], candidates [n, S, K]), the
     selector's scores over the unary top-K after the gold previous token, drawn as `draw` says (the q live decoding
-    draws from after that token: dflash.drafter.sampling.selector_rows; default the reference's, among the K
+    draws from after that token: dflash.drafter.decoding.sampling.selector_rows; default the reference's, among the K
     candidates), else None; stored: the prompt's TopK (the target's next-token distribution per position, on the
     host); anchors [n] (host). `rows` anchors at a time: q is [rows, S, V]."""
     n, S, V = logits.shape

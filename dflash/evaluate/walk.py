@@ -23,7 +23,7 @@ pairwise scores, whose accepted length the record carries).
 
 from __future__ import annotations
 
-from dflash.drafter.ddtree import build_tree, accepted_length
+from dflash.drafter.decoding.ddtree import build_tree, accepted_length
 
 
 def verify_depth(record: dict) -> int:

@@ -92,7 +92,7 @@ class Target:
         return "linear_attention" in self.layer_types
 
     def tree_verification(self) -> str:
-        """How a DDTree is verified in one forward (dflash.evaluate.verify): "sequence" (the nodes after the
+        """How a DDTree is verified in one forward (dflash.drafter.decoding.verify): "sequence" (the nodes after the
         root under an ancestor-only mask: attention-only targets whose attention takes a 4D mask) or "paths"
         (a batch of root-to-leaf paths: hybrid targets, whose recurrent states cannot branch in one sequence,
         and attention implementations that take no custom mask)."""

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from dflash.drafter import dflash2
 from dflash.drafter.build import load_drafter, save_drafter
-from dflash.drafter.ddtree import build_tree, build_tree_pairwise
+from dflash.drafter.build import drafter_config
+from dflash.drafter.decoding.ddtree import build_tree, build_tree_pairwise
 from dflash.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
-from dflash.drafter.build import drafter_config
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.selector_loss import SelectorOptions, selector_ce
 from tests.drafter.test_blocks import assert_packed_equals_one_block
@@ -346,7 +346,7 @@ def test_a_zero_initialised_successor_codebook_drafts_the_unary_argmax_chain(tin
     import copy
 
     from dflash.config import EvalConfig
-    from dflash.evaluate.decode import speculative_generate
+    from dflash.drafter.decoding.engine import speculative_generate
     from dflash.evaluate.teacher_forced import teacher_forced
     from tests.evaluate.test_teacher_forced import SyntheticSet
 

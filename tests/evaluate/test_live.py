@@ -108,7 +108,7 @@ def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_ta
     lands where it belongs: the prompts' forwards in prefill, a block's drafter forward in draft, its verification
     forward in verify (chain, a tree in one sequence, a tree as a batch of paths on the hybrid target), nothing in
     the rest; plain decoding's steps cost 10 s a token, so a verification costs one plain step (verify/plain 1)."""
-    import dflash.evaluate.decode as decode
+    import dflash.drafter.decoding.engine as decode
     import dflash.evaluate.live as live
 
     target = tiny_targets[target_name]

@@ -110,8 +110,8 @@ def test_live_decoding_carries_tool_conversations_on_as_the_heldout_set_does(too
 
     from dflash.config import DrafterConfig, LayersConfig
     from dflash.drafter.build import build_drafter
+    from dflash.drafter.decoding.engine import SpecResult
     from dflash.evaluate import live
-    from dflash.evaluate.decode import SpecResult
     from tests.data.test_tools import scripted
 
     answer = scripted()

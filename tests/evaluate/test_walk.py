@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from dflash.dist import Dist
-from dflash.drafter.sampling import Sampling, SelectorDraw, probs
+from dflash.drafter.decoding.engine import draft_chain, speculative_generate
+from dflash.drafter.decoding.rules import make_rule
+from dflash.drafter.decoding.sampling import Sampling, SelectorDraw, probs
 from dflash.evaluate import heldout
-from dflash.evaluate.decode import draft_chain, speculative_generate
-from dflash.evaluate.rules import make_rule
 from dflash.evaluate.teacher_forced import slot_rates, summarize, teacher_forced
-from dflash.target.features import TopK
 from dflash.evaluate.walk import alpha_weights, expected_blocks, walk, walk_tau
+from dflash.target.features import TopK
 from tests.conftest import compose
 from tests.oracle import OracleDrafter
 
@@ -128,7 +128,7 @@ def test_a_stop_string_over_several_tokens_stops_the_walk_and_live_decoding_at_o
     so the last block agrees (live decoding used to run on past it to the budget). The toy target writes text
     (a random one writes byte fragments)."""
     from dflash.data.prompts import encode, load_prompts, prompt_text
-    from dflash.evaluate.decode import greedy_generate
+    from dflash.drafter.decoding.engine import greedy_generate
     from dflash.target.loading import load_target
 
     job = compose("evaluate", ["eval.max_new_tokens=40", "eval.max_prompts=1", "eval.ddtree_budgets=[4]",

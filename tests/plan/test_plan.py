@@ -20,6 +20,7 @@ from dflash.plan.memory import (DENSE_MASK_BYTES, MODE_WORDS, PERSISTENT, GiB, S
                                 peak, terms)
 from dflash.plan.report import build, main, make_plan, render
 from dflash.train.optim import build_optimizer
+from tests.conftest import modules_loaded
 
 
 @pytest.mark.parametrize("experiment", ["qwen3_8b", "qwen3_6_27b"])
@@ -431,16 +432,9 @@ def test_the_pure_models_import_nothing_of_the_pipeline():
     """memory, flops, costs, serving and targets take plain shapes and values (DESIGN §1): imported alone, they load
     no module of target/, data/, drafter/, evaluate/ or train/, nor the plan's adapter (configured, compose, report);
     importing dflash.config (whose eval.serving_gpu is checked against serving's GPU table) loads no more."""
-    import subprocess
-    import sys
-
-    code = ("import sys\nimport dflash.config, dflash.plan.memory, dflash.plan.flops, dflash.plan.costs, "
-            "dflash.plan.serving, dflash.plan.targets\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('dflash.target', 'dflash.data', 'dflash.drafter', "
-            "'dflash.evaluate', 'dflash.train', 'dflash.plan.configured', 'dflash.plan.compose', "
-            "'dflash.plan.report'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    pure = ["dflash.config", *(f"dflash.plan.{m}" for m in ("memory", "flops", "costs", "serving", "targets"))]
+    assert modules_loaded(pure, ("dflash.target", "dflash.data", "dflash.drafter", "dflash.evaluate", "dflash.train",
+                                 "dflash.plan.configured", "dflash.plan.compose", "dflash.plan.report")) == []
 
 
 def test_a_plan_key_that_does_not_parse_is_refused_naming_it(caplog):

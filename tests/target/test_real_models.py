@@ -8,7 +8,7 @@ so its hidden states are `own_rows`: the head maps each back to its token, `scal
 
 Greedy: speculative decoding (the chain and a DDTree of 8 nodes) is `greedy_generate` token for token, and that is the
 target's own transformers `generate`. Temperature 1: rejection sampling is lossless, by the chi-square test of
-tests/evaluate/test_lossless_sampling.py. Gemma 3 (dequantized in about a minute, so `slow`): decoding past its
+tests/drafter/decoding/test_lossless_sampling.py. Gemma 3 (dequantized in about a minute, so `slow`): decoding past its
 sliding window, and the refusal of a chat format or of a mask token it writes.
 """
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from dflash.data.prompts import encode, load_prompts, prompt_text
-from dflash.drafter.sampling import Sampling, probs
+from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
+from dflash.drafter.decoding.sampling import Sampling, probs
 from dflash.errors import ConfigError
-from dflash.evaluate.decode import greedy_generate, speculative_generate
 from tests.conftest import compose
-from tests.evaluate.test_lossless_sampling import ALPHA, chi_square_pvalue
+from tests.drafter.decoding.test_lossless_sampling import ALPHA, chi_square_pvalue
 from tests.oracle import OracleDrafter, own_rows
 
 NEW = 32  # tokens generated per greedy decoding
@@ -57,9 +57,9 @@ def oracle(target, plain: torch.Tensor, prompt_len: int, scale: float = 2.0, **k
 
 @pytest.fixture
 def kept_paths(monkeypatch) -> list[list[int]]:
-    """The cache entries each tree verification keeps (dflash.evaluate.states.keep_attention's indices: the committed
-    context, the root, the accepted nodes), recorded as the verifications run."""
-    import dflash.evaluate.verify as verify
+    """The cache entries each tree verification keeps (dflash.drafter.decoding.states.keep_attention's indices: the
+    committed context, the root, the accepted nodes), recorded as the verifications run."""
+    import dflash.drafter.decoding.verify as verify
 
     kept, keep = [], verify.keep_attention
 
@@ -151,9 +151,9 @@ SAMPLED_LENGTH = 3  # tokens per draw: the prefill's, then one drafted slot veri
 def test_smollm2_rejection_sampling_is_lossless(smollm2):
     """At temperature 1 (no top-p, no top-k), the first 3 tokens speculative decoding writes are distributed as
     SmolLM2's own sampling: 60 draws (seeds 0..59) against the exact distribution, by the chi-square test of
-    tests/evaluate/test_lossless_sampling.py (cells of expected count under 5 pooled; false-alarm rate ALPHA = 1e-3;
-    the seeds are fixed, so a run passes or fails for good). exact_cells lists the continuations of expected count 5
-    or more, the rest pooled by prefix: the full vocabulary is never enumerated.
+    tests/drafter/decoding/test_lossless_sampling.py (cells of expected count under 5 pooled; false-alarm rate ALPHA =
+    1e-3; the seeds are fixed, so a run passes or fails for good). exact_cells lists the continuations of expected count
+    5 or more, the rest pooled by prefix: the full vocabulary is never enumerated.
 
     The prompt (ShareGPT held-out ljRnksZ_0's chat text and the first words of SmolLM2's answer, "I'm happy") makes
     the first token nearly certain (" to", 0.999) and the second spread ( help 0.40, assist 0.37, ...); the oracle

@@ -75,7 +75,7 @@ def test_the_zlab_reference_decodes_our_dflash2_checkpoint_as_we_do(workdir, tin
     """Greedy decoding with the reference's DFlash2DraftModel and dflash_generate on our trained checkpoint: the
     same tokens and the same acceptance length at every step as our speculative_generate."""
     from dflash.drafter.build import load_drafter
-    from dflash.evaluate.decode import speculative_generate
+    from dflash.drafter.decoding.engine import speculative_generate
     from tests.zlab import reference
 
     ref = reference()
@@ -211,8 +211,8 @@ def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(w
     which a resume reads) times 0.5, every other weight as trained; the in-run evaluation scores that served
     codebook, and training goes on with the trained one (the resumed run's next checkpoint again serves half of its
     float32 copy)."""
-    from dflash.train import loop as training  # train() calls its evaluate_in_run
     from dflash.layout import CheckpointLayout
+    from dflash.train import loop as training  # train() calls its evaluate_in_run
 
     seen, real = [], training.evaluate_in_run
 
@@ -267,8 +267,8 @@ def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workd
     import shutil
 
     from dflash.drafter.build import build_drafter, load_drafter
-    from dflash.train import loop as training  # train() calls its evaluate_in_run
     from dflash.layout import CheckpointLayout
+    from dflash.train import loop as training  # train() calls its evaluate_in_run
 
     seen, real = [], training.evaluate_in_run
 

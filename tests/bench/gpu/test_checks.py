@@ -487,7 +487,7 @@ def test_committed_tokens_of_a_tiny_targets_greedy_output(tiny_targets):
     one token after the prompt replaced by one the target ranks far below fails at that token (and the ones after
     it see another context, so they are judged on it, as a speculative run's would be)."""
     from bench.gpu.verdicts import committed_tokens
-    from dflash.evaluate.decode import greedy_generate
+    from dflash.drafter.decoding.engine import greedy_generate
     from dflash.target.features import target_forward
 
     target = tiny_targets["tiny_qwen3"]
@@ -527,7 +527,7 @@ def test_no_check_imports_wandb():
     code = (
         "import sys; sys.modules['wandb'] = None\n"
         "import bench.gpu.checks, bench.gpu.steps, bench.gpu.target, bench.gpu.runner, bench.run, dflash.plan\n"
-        "import dflash.tracking, dflash.train.loop, dflash.evaluate.live, dflash.evaluate.decode\n"
+        "import dflash.tracking, dflash.train.loop, dflash.evaluate.live, dflash.drafter.decoding.engine\n"
         "import dflash.drafter.build, dflash.target.loading, dflash.target.builtin, dflash.train.optim\n"
         "import dflash.train.batches, tests.oracle\n"
         "import pytest\n"

@@ -4,7 +4,7 @@ token it accepts there. One rule per decoding run, shared by the chain, the DDTr
 - `Greedy` (temperature 0): the target's argmax; a draft is accepted when it equals it.
 - `Rejection` (temperature > 0, the default; speculative sampling, Leviathan et al. 2023 / Chen et al. 2023):
   a draft x drawn from the drafter's q is accepted with probability min(1, p(x) / q(x)), p the target's
-  distribution after the same sampling transform (dflash.drafter.sampling); on rejection the token comes from
+  distribution after the same sampling transform (dflash.drafter.decoding.sampling); on rejection the token comes from
   the residual max(p - q, 0), renormalised, and after the last accepted draft the bonus token from p. The
   committed token is then distributed exactly as p: lossless, and a slot accepts with probability
   sum_x min(p(x), q(x)). At a tree node the children are tried in order, as in SpecInfer's multi-draft
@@ -29,7 +29,7 @@ import hashlib
 
 import torch
 
-from dflash.drafter.sampling import Sampling, probs
+from dflash.drafter.decoding.sampling import Sampling, probs
 
 VERIFIERS = ("rejection", "seeded", "exact_match")
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from dflash.drafter.ddtree import accepted_length, build_tree, ddtree_tau
+from dflash.drafter.decoding.ddtree import accepted_length, build_tree, ddtree_tau
 
 
 def random_block(rng, slots=7, k=32, vocab=64, peaked=False):

@@ -2,15 +2,15 @@
 
 Each step drafts a block [x_p, d_1..d_{B-1}] from the context features of positions < p,
 verifies it (or the DDTree built from its distributions) with one target forward
-(dflash.evaluate.verify), commits the accepted drafts plus the target's bonus token, and feeds the
+(dflash.drafter.decoding.verify), commits the accepted drafts plus the target's bonus token, and feeds the
 new positions' features to the drafter's context cache. The target's cache then holds exactly the
 committed text: attention layers are cropped, linear-attention (Gated DeltaNet) layers take the
-states recorded at the last accepted position during verification (dflash.evaluate.states), so a
+states recorded at the last accepted position during verification (dflash.drafter.decoding.states), so a
 hybrid target too needs one forward per block, no replay.
 
-Sampling (temperature > 0, with top-p / top-k: dflash.drafter.sampling) drafts from the drafter's distribution
-after the target's transform and verifies by rejection sampling (dflash.evaluate.rules): the output is
-distributed exactly as plain sampling's (tests/evaluate/test_lossless_sampling.py shows it statistically).
+Sampling (temperature > 0, with top-p / top-k: dflash.drafter.decoding.sampling) drafts from the drafter's distribution
+after the target's transform and verifies by rejection sampling (dflash.drafter.decoding.rules): the output is
+distributed exactly as plain sampling's (tests/drafter/decoding/test_lossless_sampling.py shows it statistically).
 verifier="seeded" instead draws the target's token at position t from a generator seeded by (seed, t), as
 `greedy_generate` does, and accepts exact matches: the output then equals plain decoding token for token.
 
@@ -31,12 +31,12 @@ import torch
 
 from dflash.data.stops import StopStrings
 from dflash.drafter.blocks import draft_block
-from dflash.drafter.ddtree import Tree, build_tree, build_tree_pairwise
+from dflash.drafter.decoding.ddtree import Tree, build_tree, build_tree_pairwise
+from dflash.drafter.decoding.rules import Rule, make_rule, plain_sample
+from dflash.drafter.decoding.sampling import Sampling, SelectorDraw, probs, selector_rows
+from dflash.drafter.decoding.states import new_cache, settle
+from dflash.drafter.decoding.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.drafter.dflash2 import beam_path, selector_tables, walk_path
-from dflash.drafter.sampling import Sampling, SelectorDraw, probs, selector_rows
-from dflash.evaluate.rules import Rule, make_rule, plain_sample
-from dflash.evaluate.states import new_cache, settle
-from dflash.evaluate.verify import verify_chain, verify_tree_paths, verify_tree_sequence
 from dflash.target.features import target_forward
 from dflash.target.loading import as_target
 
@@ -92,7 +92,7 @@ class SpecResult:
     tokens / target_forwards is 1.0 for plain decoding and for drafts never accepted."""
     verify_tokens: int = 0
     """Tokens the verification forwards processed: 1 + drafts per chain block, 1 + N per tree in one sequence,
-    paths x (1 + depth) per tree verified as a batch of paths (dflash.evaluate.verify)."""
+    paths x (1 + depth) per tree verified as a batch of paths (dflash.drafter.decoding.verify)."""
     draft_tokens: list[list[int]] = field(default_factory=list)
 
 
@@ -101,7 +101,7 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, temper
                     seed: int = 0, stop_token_ids: list[int] | None = None, top_p: float = 1.0,
                     top_k: int = 0, stop_strings: list[str] | None = None, clock: Clock | None = None) -> torch.Tensor:
     """Plain decoding, one token per target forward, through the same feature function: greedy, or at
-    temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.evaluate.rules). Stops
+    temperature > 0 the token at position t drawn by the generator of (seed, t) (dflash.drafter.decoding.rules). Stops
     after max_new_tokens, a stop token, or the token that completes one of `stop_strings` (dflash.data.stops).
     clock: times the decoding into `prefill` (the prompt's forward and first token) and `decode` (each one-token
     forward with its sampling: counts["decode"] of them)."""
@@ -138,20 +138,20 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
 
     `drafter`: a DFlashDraftModel (e.g. from DFlashDraftModel.from_pretrained); `target`: a dflash
     Target or any loaded HF causal LM. tree_budget: verify the DDTree of that many nodes
-    (dflash.drafter.ddtree) instead of the single drafted path, on any target: in one sequence under an
+    (dflash.drafter.decoding.ddtree) instead of the single drafted path, on any target: in one sequence under an
     ancestor-only mask, or on hybrid targets as a batch of its paths (`Target.tree_verification`).
     A DFlash 2 drafter drafts its candidate selector's path (dflash.drafter.dflash2); tree="pairwise" builds
     its DDTree from the selector's pairwise scores (a child conditioned on its parent's token) instead of the
     per-slot marginals ("marginal").
-    temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.sampling), but
-    a DFlash 2 drafter draws as `selector_draw` says (candidates: among its K candidates from softmax(score / T), as
-    the reference decoder does; vocabulary; unary: dflash.drafter.sampling.SelectorDraw) and applies top_p / top_k
-    to its draw only with selector_truncation=True. selector_beam > 1: a DFlash 2 drafter's greedy chain is the one a
-    beam of that width finds over its pairwise scores (dflash.drafter.dflash2.beam_path), not its greedy walk.
+    temperature, top_p, top_k: the sampling transform of target and drafter alike (dflash.drafter.decoding.sampling),
+    but a DFlash 2 drafter draws as `selector_draw` says (candidates: among its K candidates from softmax(score / T), as
+    the reference decoder does; vocabulary; unary: dflash.drafter.decoding.sampling.SelectorDraw) and applies top_p /
+    top_k to its draw only with selector_truncation=True. selector_beam > 1: a DFlash 2 drafter's greedy chain is the
+    one a beam of that width finds over its pairwise scores (dflash.drafter.dflash2.beam_path), not its greedy walk.
     verifier: rejection (speculative sampling, the default), seeded (exact match of seeded draws: output equal
     to greedy_generate's with the same seed) or exact_match (greedy drafts accepted when they equal the target's
-    sample, as the reference benchmark's temperature-1 tables), dflash.evaluate.rules. seed: the run's randomness.
-    Decoding stops after max_new_tokens, a stop token of stop_token_ids, or the token that completes one of
+    sample, as the reference benchmark's temperature-1 tables), dflash.drafter.decoding.rules. seed: the run's
+    randomness. Decoding stops after max_new_tokens, a stop token of stop_token_ids, or the token that completes one of
     stop_strings (as `generate` stops on them: dflash.data.stops; needs the target's tokenizer), nothing after it
     kept or counted.
     clock: times the decoding into `prefill` (the prompt's target forward and first token), `draft` (per step: the
@@ -250,9 +250,9 @@ def draft_chain(logits: torch.Tensor, tables, depth: int, rule: Rule, p: int, dr
     [depth, V] it was drawn from (else None).
 
     logits [S, V]: the drafter's slots 1..S; tables: DFlash 2's selector tables (cand, first, table) or None.
-    The rule says how drafts are made (dflash.evaluate.rules): the argmax per slot (DFlash 2: the selector's best
-    walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform. DFlash 2
-    draws its chain slot by slot as `draw` says (dflash.drafter.sampling.SelectorDraw, default: among the K
+    The rule says how drafts are made (dflash.drafter.decoding.rules): the argmax per slot (DFlash 2: the selector's
+    best walk), or each slot drawn by the rule from the drafter's distribution after the rule's transform. DFlash 2
+    draws its chain slot by slot as `draw` says (dflash.drafter.decoding.sampling.SelectorDraw, default: among the K
     candidates from softmax(score / T) after the previous draw, q zero off them). draw.over = "vocabulary" may
     draw a token outside the previous slot's candidates, whose row the tables lack: rescore(slot, token) gives
     the slot's candidate scores after any predecessor (`slot_scores`). beam > 1: DFlash 2's greedy chain is the

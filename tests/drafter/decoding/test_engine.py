@@ -5,7 +5,7 @@ import torch
 
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.build import build_drafter
-from dflash.evaluate.decode import OFF, Clock, greedy_generate, speculative_generate
+from dflash.drafter.decoding.engine import OFF, Clock, greedy_generate, speculative_generate
 from tests.oracle import OracleDrafter
 
 
@@ -153,9 +153,9 @@ def test_dflash2_draws_among_its_candidates_from_the_tempered_scores_alone_unles
     """At temperature > 0 the reference decoder draws a DFlash 2 slot from softmax(score / T) over the K candidates:
     top_p / top_k are not applied to them (they were: a top-p of 0.5 kept one or two candidates), unless
     selector_truncation asks for it; the drafts' q is the distribution they were drawn from either way."""
-    from dflash.drafter.sampling import Sampling, SelectorDraw, probs
-    from dflash.evaluate.decode import draft_chain
-    from dflash.evaluate.rules import make_rule
+    from dflash.drafter.decoding.engine import draft_chain
+    from dflash.drafter.decoding.rules import make_rule
+    from dflash.drafter.decoding.sampling import Sampling, SelectorDraw, probs
 
     g = torch.Generator().manual_seed(0)
     S, K, V = 3, 4, 9
@@ -174,9 +174,9 @@ def test_dflash2_draws_over_the_vocabulary_or_its_unary_head_when_asked():
     """eval.selector_draw: vocabulary draws slot 1 from softmax over every token of the unary logits with the K
     candidates' entries replaced by their scores (nonzero everywhere); unary from the unary head alone, as DFlash
     draws; a draft outside the previous slot's candidates is rescored, not read from the tables."""
-    from dflash.drafter.sampling import Sampling, SelectorDraw, probs
-    from dflash.evaluate.decode import draft_chain
-    from dflash.evaluate.rules import make_rule
+    from dflash.drafter.decoding.engine import draft_chain
+    from dflash.drafter.decoding.rules import make_rule
+    from dflash.drafter.decoding.sampling import Sampling, SelectorDraw, probs
 
     g = torch.Generator().manual_seed(1)
     S, K, V = 3, 2, 6

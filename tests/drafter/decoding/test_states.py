@@ -4,8 +4,8 @@ prefill of the committed text, with no replay forward."""
 import pytest
 import torch
 
-from dflash.evaluate.states import (StateRecorder, commit, gated_delta_states, linear_layers, new_cache, select_rows,
-                                    settle)
+from dflash.drafter.decoding.states import (StateRecorder, commit, gated_delta_states, linear_layers, new_cache,
+                                            select_rows, settle)
 from dflash.target.features import target_forward
 
 

@@ -5,7 +5,7 @@ The order is the one HF generate and vLLM apply: temperature, then top-k, then t
 most probable tokens whose mass reaches top_p, the token that crosses it included), renormalised.
 Temperature 0 is greedy: the distribution is one-hot at the argmax (ties: the lowest id, as argmax).
 
-Rejection sampling (dflash.evaluate.rules) is lossless for any pair of distributions p (target) and q
+Rejection sampling (dflash.drafter.decoding.rules) is lossless for any pair of distributions p (target) and q
 (drafter) as long as the drafts are drawn from the q it is given; drafting from the same transform as the
 target makes q closest to p, so it accepts the most.
 """

@@ -4,13 +4,13 @@ the teacher-forced DDTree predicts on the same drafts."""
 import pytest
 import torch
 
-import dflash.evaluate.decode as decode
-from dflash.drafter.ddtree import Tree, ddtree_tau
-from dflash.evaluate.decode import greedy_generate, speculative_generate
-from dflash.evaluate.states import new_cache, settle
-from dflash.drafter.sampling import Sampling
-from dflash.evaluate.rules import Greedy
-from dflash.evaluate.verify import tree_masks, tree_paths, verify_tree_paths
+import dflash.drafter.decoding.engine as decode
+from dflash.drafter.decoding.ddtree import Tree, ddtree_tau
+from dflash.drafter.decoding.engine import greedy_generate, speculative_generate
+from dflash.drafter.decoding.rules import Greedy
+from dflash.drafter.decoding.sampling import Sampling
+from dflash.drafter.decoding.states import new_cache, settle
+from dflash.drafter.decoding.verify import tree_masks, tree_paths, verify_tree_paths
 from dflash.target.features import target_forward
 from tests.oracle import OracleDrafter
 
@@ -53,7 +53,7 @@ def assert_nodes_see_only_their_paths(target, ids, p: int, tree: Tree, label) ->
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_tree_mask_hides_siblings_under_every_attention_implementation(attn):
     """Eager attention adds a boolean mask to its scores as 0/1, so the tree mask must be additive."""
-    from tests.evaluate.test_decode import tiny_qwen3
+    from tests.drafter.decoding.test_engine import tiny_qwen3
 
     tree = Tree(tokens=[5, 6, 7, 8, 9], parents=[-1, -1, 0, 0, 2], depths=[1, 1, 2, 2, 3])
     assert_nodes_see_only_their_paths(tiny_qwen3(attn_implementation=attn), prompt(5, 9), 8, tree, attn)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash.drafter.sampling import Sampling, acceptance, probs, stored_acceptance, stored_probs
+from dflash.drafter.decoding.sampling import Sampling, acceptance, probs, stored_acceptance, stored_probs
 
 
 def hf_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

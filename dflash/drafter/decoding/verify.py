@@ -9,12 +9,12 @@
   sequence, or attention that takes no custom mask): each root-to-leaf path is one row continuing the
   committed context, the cache copied per row for that forward (P paths of at most D drafts: P x (1 + D)
   tokens, and P copies of the attention KV of the context); the row of the longest accepted path is kept.
-Linear-attention states are recorded per verified position during the forward (dflash.evaluate.states), so
+Linear-attention states are recorded per verified position during the forward (dflash.drafter.decoding.states), so
 no verification is followed by a replay: one target forward per block, chain or tree. Which drafts are accepted
-and which token the target adds is the run's rule (dflash.evaluate.rules: greedy, rejection sampling, seeded
+and which token the target adds is the run's rule (dflash.drafter.decoding.rules: greedy, rejection sampling, seeded
 or exact match), the same for the chain and for every tree node.
 
-A clock (dflash.evaluate.decode.Clock) given to a verification charges its target forward to `verify` and what
+A clock (dflash.drafter.decoding.engine.Clock) given to a verification charges its target forward to `verify` and what
 comes before it (the block's tensors, masks, rows) to `other`; the caller's next lap charges the acceptance and
 the cache's trimming to `other` too.
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.drafter.ddtree import Tree
-from dflash.evaluate.rules import Rule
-from dflash.evaluate.states import StateRecorder, commit, keep_attention, select_rows
+from dflash.drafter.decoding.ddtree import Tree
+from dflash.drafter.decoding.rules import Rule
+from dflash.drafter.decoding.states import StateRecorder, commit, keep_attention, select_rows
 from dflash.target.features import target_forward
 
 
@@ -47,7 +47,7 @@ class Verdict:
 
 def verify_chain(target, layer_ids, cache, anchor: int, drafts: list[int], p: int, rule: Rule,
                  q: torch.Tensor | None = None, clock=None) -> Verdict:
-    """Verify [x_p, d_1..d_m] (the cache holds positions < p) by `rule` (dflash.evaluate.rules); q [m, V]: the
+    """Verify [x_p, d_1..d_m] (the cache holds positions < p) by `rule` (dflash.drafter.decoding.rules); q [m, V]: the
     distributions the drafts were drawn from (None: chosen, as greedy drafts are)."""
     block = torch.tensor([[anchor] + drafts], device=target.device)
     n = block.shape[1]

@@ -22,13 +22,13 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import dflash.evaluate.rules as rules
+import dflash.drafter.decoding.rules as rules
 from dflash.config import DrafterConfig, LayersConfig
 from dflash.drafter.build import build_drafter
-from dflash.drafter.sampling import Sampling, SelectorDraw, acceptance, probs
-from dflash.evaluate.decode import draft_chain, draft_tree, draft_tree_pairwise, speculative_generate
-from dflash.evaluate.rules import make_rule
-from dflash.evaluate.verify import _walk
+from dflash.drafter.decoding.engine import draft_chain, draft_tree, draft_tree_pairwise, speculative_generate
+from dflash.drafter.decoding.rules import make_rule
+from dflash.drafter.decoding.sampling import Sampling, SelectorDraw, acceptance, probs
+from dflash.drafter.decoding.verify import _walk
 from dflash.target.loading import as_target
 
 ALPHA = 1e-3

@@ -15,7 +15,7 @@ state of each verified position instead (SGLang's extra buffer for mamba-style l
   layer asks its kernel to), in float32 as the kernels keep it. The layer's outputs, and so the
   target's logits and features, still come from its own kernel.
 The committed state is then that of the last accepted position: what a prefill of the committed
-text leaves, up to float rounding (tests/evaluate/test_states.py), with no replay forward.
+text leaves, up to float rounding (tests/drafter/decoding/test_states.py), with no replay forward.
 
 Recording costs one [value heads, key dim, value dim] float32 state per recorded position per
 linear layer (Qwen3.5/3.6-27B: 48 layers x 48 x 128 x 128 x 4 B = 151 MB a position; 16 for a
