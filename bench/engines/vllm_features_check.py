@@ -3,8 +3,8 @@ as vLLM's, never mixed with transformers', and both are timed side by side.
 
     python -m bench.engines --vllm-python .venv-engines/vllm/bin/python --fla-python - --only vllm_features
 
-Runs in the main venv; vLLM runs in its venv through bench/engines/vllm_extract.py (on a CPU with the connector
-shim of vllm_hidden_states.py). On tiny_qwen3_hd32, for each of RUNS:
+Runs in the main venv; vLLM runs in its venv through dflash/data/vllm_runtime/vllm_extract.py (on a CPU with the
+connector shim of vllm_hidden_states.py beside it). On tiny_qwen3_hd32, for each of RUNS:
 1. extract.py with features.source=hf, then with features.source=vllm on the same completions;
 2. the manifest: kernel_backend engine=vllm and the attention backend vLLM ran, vLLM's version, its tensor
    parallel size (and a layout of its own above 1);

@@ -2,12 +2,12 @@
 
 vLLM's `extract_hidden_states` speculative method, with a KV connector that writes each request's hidden states
 to safetensors, runs in a venv of its own (features.vllm.python; vLLM never goes into dflash's venv) through
-bench/engines/vllm_extract.py, which vLLM's CPU build runs with the connector shim of
-bench/engines/vllm_hidden_states.py. This module hands it the prepared sequences shard by shard and stores each
-shard it returns with `dflash.data.cache.write_shard`: the same token ids, loss masks and offsets as extraction
-by transformers, the same resumable cache. vLLM numbers a layer's output one higher than we do: its id l is the
-input of decoder layer l, the output of layer l - 1 (HF `output_hidden_states[l]`), as vLLM's own DFlash serving
-maps `target_layer_ids` (i + 1).
+dflash/data/vllm_runtime/vllm_extract.py, which vLLM's CPU build runs with the connector shim of
+vllm_runtime/vllm_hidden_states.py (both ship with the package and import no dflash). This module hands it the
+prepared sequences shard by shard and stores each shard it returns with `dflash.data.cache.write_shard`: the same
+token ids, loss masks and offsets as extraction by transformers, the same resumable cache. vLLM numbers a layer's
+output one higher than we do: its id l is the input of decoder layer l, the output of layer l - 1 (HF
+`output_hidden_states[l]`), as vLLM's own DFlash serving maps `target_layer_ids` (i + 1).
 
 The manifest is `dflash.provenance.features_manifest`'s with what vLLM ran in place of what transformers would
 have: `kernels` (engine=vllm and the attention backend of each kind of vLLM layer) and so `kernel_backend`, the
@@ -48,8 +48,8 @@ from dflash.target.loading import Target
 
 log = logging.getLogger(__name__)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "engines" / "vllm_extract.py"
-"""What runs in the vLLM venv: bench/ of the dflash checkout (extract.py and conf/ live there too)."""
+SCRIPT = Path(__file__).resolve().parent / "vllm_runtime" / "vllm_extract.py"
+"""What runs in the vLLM venv (vllm_runtime/: it imports no dflash; its folder goes on vLLM's PYTHONPATH)."""
 READY, SHARD = "dflash-vllm ready", "dflash-vllm shard"
 
 
@@ -64,14 +64,11 @@ def vllm_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 
 def vllm_python(cfg: FeaturesConfig) -> str:
-    """features.vllm.python, checked; with the script it runs (from a dflash checkout)."""
+    """features.vllm.python, checked."""
     python = Path(cfg.vllm.python).expanduser()
     if not python.exists():
         raise NotFoundError(f"features.vllm.python={cfg.vllm.python} does not exist: `make .venv-engines/vllm/"
                             f".installed` builds vLLM's CPU build there; on a GPU, point it at a python with vllm")
-    if not SCRIPT.exists():
-        raise NotFoundError(f"features.source=vllm runs {SCRIPT}, which is not there: run extract.py from a dflash "
-                            f"checkout (bench/ is not installed with the package)")
     return str(python)
 
 

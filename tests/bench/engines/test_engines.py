@@ -102,18 +102,6 @@ def test_each_vllm_export_is_a_config_train_py_takes(case, name, dflash_home):
         assert job.drafter.num_layers == 2
 
 
-def test_vllm_cpu_workers_each_get_their_share_of_the_cores(monkeypatch):
-    """vLLM's CPU build binds a NUMA node per tensor-parallel worker and stops with fewer nodes than workers:
-    vllm_extract.py hands each worker its cores instead (imported here: its top imports the standard library only)."""
-    from bench.engines import vllm_extract
-
-    monkeypatch.setattr(vllm_extract.os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4})
-    assert vllm_extract.cpu_binding(2) == "0,1|2,3"
-    assert vllm_extract.cpu_binding(1) == "0,1,2,3,4"
-    with pytest.raises(SystemExit, match="tensor_parallel=8 CPU workers need a core each; 5 here"):
-        vllm_extract.cpu_binding(8)
-
-
 def test_make_engines_runs_the_vllm_features_check_with_the_vllm_venv():
     from bench.engines import __main__ as engines
 
@@ -146,26 +134,6 @@ def test_the_conv_check_fails_on_any_shape_off_or_a_step_that_never_ran_the_kern
     out = conv_check.check("python", tmp_path / "conv")
     assert out["ok"] == (case == "pass")
     assert conv_check.verdict(out).endswith("PASS" if case == "pass" else "FAIL")
-
-
-def test_vllm_extract_replaces_its_report_whole(tmp_path, monkeypatch):
-    """dflash.data.vllm_features reads engine.json when vllm_extract.py says it is ready, and vllm_extract.py writes
-    its final report while that read may still be under way: written in place, the file was empty for a moment
-    (a CI run read '' and failed). It is now written beside and renamed over: at the rename the old report is
-    still whole. (Imported here: its top imports the standard library only.)"""
-    from bench.engines import vllm_extract
-
-    path = tmp_path / "engine.json"
-    vllm_extract.write_json_whole(str(path), {"load_s": 1.0})
-    seen, rename = [], vllm_extract.os.replace
-
-    def replace(src, dst):
-        seen.append(json.loads(Path(dst).read_text()))  # what a reader finds just before the new one lands
-        rename(src, dst)
-
-    monkeypatch.setattr(vllm_extract.os, "replace", replace)
-    vllm_extract.write_json_whole(str(path), {"load_s": 1.0, "extract_s": 0.5})
-    assert seen == [{"load_s": 1.0}] and json.loads(path.read_text()) == {"load_s": 1.0, "extract_s": 0.5}
 
 
 @pytest.mark.parametrize("batched", ["agrees", "differs"])

