@@ -5,7 +5,7 @@
     python evaluate.py checkpoint=best eval=live       # real speculative decoding, lossless check
     python evaluate.py checkpoint=/path/to/z-lab/drafter target=qwen3_8b
     python evaluate.py checkpoint=latest eval.compare=[/path/to/reference/drafter]
-    python evaluate.py checkpoint=best eval=paper eval.benchmarks_dir=/data/benchmarks   # per benchmark
+    python evaluate.py checkpoint=best eval=paper eval.suite.benchmarks_dir=/data/benchmarks   # per benchmark
     python evaluate.py checkpoint=best eval.dtype=float32   # default: the target's dtype, as servers run it
 
 Results land in runs/<run>/eval/step-<N>/ at the run's own evaluation settings (its config.yaml: the same figures
@@ -16,7 +16,7 @@ as its in-run evaluation of that step), and beside it at other settings, in a fo
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from dflash.cli import names_target, run, to_job
+from dflash.cli import names_target, refuse_moved_keys, run, to_job
 from dflash.config import register_configs
 
 register_configs()
@@ -32,4 +32,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    refuse_moved_keys()
     main()

@@ -8,7 +8,7 @@
 
 import hydra
 
-from dflash.cli import run, to_job
+from dflash.cli import refuse_moved_keys, run, to_job
 from dflash.config import register_configs
 
 register_configs()
@@ -23,4 +23,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    refuse_moved_keys()
     main()

@@ -3,7 +3,7 @@
 - a training step (packed forward, the joint loss with the selector's CE, backward, AdamW step) over the same
   blocks, DFlash 2 / DFlash (goal <= 1.10: each convolution's projection adds H x 2kG multiply-adds a token,
   H^2/4 at k=2, G=H/16, about 4% of a layer for two; the selector K x r per slot and two V x r gathers);
-- the DFlash 2 step with loss.selector_gradient=coupled (the selector's gradient into the unary logits, added
+- the DFlash 2 step with loss.selector.gradient=coupled (the selector's gradient into the unary logits, added
   sparsely inside the loss's chunks) over the detached one (goal <= 1.10);
 - a drafting forward (one block, inference, the target head included), DFlash 2 / DFlash;
 - the selector's walk in live decoding (its tables from one batched product and the greedy walk on the host)
@@ -21,9 +21,9 @@ import torch
 
 from bench.measure import alternating
 from dflash.drafter.blocks import draft_block, draft_packed, pack_blocks, sample_anchors
+from dflash.drafter.build import drafter_config
 from dflash.drafter.dflash2 import selector_tables, walk_path
 from dflash.drafter.loss import block_terms, slot_weights
-from dflash.drafter.build import drafter_config
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.selector_loss import SelectorOptions
 

@@ -81,7 +81,7 @@ def our_acceptance(export: Path, work: Path, temperature: float, tokens: int, pr
     verified as vLLM verifies its default drafts (VERIFIER)."""
     root, start = work / "eval", time.time()  # run.root: where a drafter outside a run folder is evaluated
     run([sys.executable, "evaluate.py", *COMMON, "eval=live", f"eval.prompts={PROMPTS}", f"eval.max_prompts={prompts}",
-         f"eval.max_new_tokens={tokens}", f"eval.temperature={temperature}", f"eval.verifier={VERIFIER}",
+         f"eval.max_new_tokens={tokens}", f"eval.decode.temperature={temperature}", f"eval.decode.verifier={VERIFIER}",
          "eval.ddtree_budgets=[]",
          f"checkpoint={export}", f"run.root={root}"], work / f"eval-t{temperature:g}.log")
     # evaluate.py writes into the drafter's run folder, or under run.root: the summary this evaluation wrote
@@ -91,7 +91,7 @@ def our_acceptance(export: Path, work: Path, temperature: float, tokens: int, pr
         raise SystemExit(f"evaluate.py wrote no summary.json; see {work / f'eval-t{temperature:g}.log'}")
     summary = json.loads(max(written, key=lambda p: p.stat().st_mtime).read_text())
     return {"tau": summary["metrics"]["eval/live_tau"], "tau_se": summary["metrics"].get("eval/live_tau_se"),
-            "where": f"evaluate.py eval=live eval.verifier={VERIFIER}, {prompts} prompts of {PROMPTS}, {tokens} tokens, "
+            "where": f"evaluate.py eval=live eval.decode.verifier={VERIFIER}, {prompts} prompts of {PROMPTS}, {tokens} tokens, "
                      f"T={temperature:g}"}
 
 

@@ -8,6 +8,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.config.renamed import refuse_renamed
 from dflash.dist import finish
 from dflash.errors import ConfigError, DFlashError
 from dflash.layout import COMPILE_CACHES, compile_cache_dirs
@@ -54,6 +55,16 @@ def use_compile_caches(folder: str | None = None) -> dict[str, str]:
         if not os.environ.get(var):
             os.environ[var] = str(path)
     return {var: os.environ[var] for var in COMPILE_CACHES}
+
+
+def refuse_moved_keys(argv: list[str] | None = None) -> None:
+    """Stop, in one line naming the new key, at a command-line key that moved into a sub-group (eval.temperature is
+    eval.decode.temperature: dflash.config.renamed). Runs before Hydra parses, which would only say the old key is
+    not in the config."""
+    try:
+        refuse_renamed(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        fail(e)
 
 
 def names_target(overrides: list[str]) -> bool:

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.config.renamed import migrate_tree
+
 STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -131,12 +133,14 @@ class RunLayout:
         return self.path / "config.yaml"
 
     def trained_config(self) -> dict:
-        """config.yaml as a plain dict (the resolved config the run was trained with); {} when it has none."""
+        """config.yaml as a plain dict (the resolved config the run was trained with); {} when it has none. Keys that
+        have since moved into a sub-group (eval.temperature, loss.selector_shrink) are read under their new names
+        (dflash.config.renamed)."""
         if not self.config.exists():
             return {}
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(OmegaConf.load(self.config)) or {}
+        return migrate_tree(OmegaConf.to_container(OmegaConf.load(self.config)) or {})
 
     @property
     def info(self) -> Path:

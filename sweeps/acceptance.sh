@@ -9,7 +9,7 @@
 #   bash sweeps/acceptance.sh train.max_steps=200  # extra arguments go to every run
 #
 # Each run's in-run evaluation is greedy (eval/tau); the expected acceptance at temperature 1 is then measured
-# on each final checkpoint by `python evaluate.py ... eval.temperature=1.0` (loop at the end), so one table has
+# on each final checkpoint by `python evaluate.py ... eval.decode.temperature=1.0` (loop at the end), so one table has
 # the walk tau at T = 0 and the expected walk tau at T = 1 per arm.
 set -euo pipefail
 ROOT=${ROOT:-runs/acceptance}
@@ -27,6 +27,6 @@ for arm in $ARMS; do
   for seed in $SEEDS; do
     # shellcheck disable=SC2086  # the arm's overrides are words
     python train.py ${OVERRIDES[$arm]} train.seed="$seed" run.root="$ROOT" run.name="$arm-s$seed" "$@"
-    python evaluate.py run.root="$ROOT" run.name="$arm-s$seed" checkpoint=latest eval.temperature=1.0
+    python evaluate.py run.root="$ROOT" run.name="$arm-s$seed" checkpoint=latest eval.decode.temperature=1.0
   done
 done

@@ -4,7 +4,7 @@
 
 Per arm (dflash.report's arms: configs that differ in train.seed only; named by the run name before -s<seed>): the
 greedy walk tau of the final in-run evaluation (greedy held-out set) and the expected walk tau at temperature 1
-(evaluate.py eval.temperature=1.0: eval/step-000768-t1, or an older sampled evaluation in eval/step-000768), mean
+(evaluate.py eval.decode.temperature=1.0: eval/step-000768-t1, or an older sampled evaluation in eval/step-000768), mean
 and sample sd over seeds, and the seeds it has.
 """
 

@@ -13,10 +13,10 @@
 #   rank64         the default at selector rank 64 (a quarter of the codebooks' parameters)
 #   decay_dropout  the default + both (decay 1.0, dropout 0.2)
 #   topk8          the default with 8 candidates, not 16 (fewer to overrule a right unary choice; a lower ceiling)
-#   weight2        the default with the selector's CE at weight 2 (loss.selector_weight)
+#   weight2        the default with the selector's CE at weight 2 (loss.selector.weight)
 #   span           the default with both codebooks kept in the span of the target's token vectors (embeddings for
-#                  the predecessor's, head rows for the successor's; loss.selector_span=embedding)
-#   spanpred       the same for the predecessor's codebook alone (loss.selector_span=predecessor)
+#                  the predecessor's, head rows for the successor's; loss.selector.span=embedding)
+#   spanpred       the same for the predecessor's codebook alone (loss.selector.span=predecessor)
 # and the DFlash arm of the same seeds (drafter.kind=dflash) for the prompt-by-prompt comparison.
 #
 #   bash sweeps/selector.sh                      # runs into runs/selector/ (ROOT=..., ARMS="ours specforge")
@@ -32,17 +32,17 @@ ARMS=${ARMS:-"dflash ours speculators specforge decay dropout rank64 decay_dropo
 PY=${PY:-python}
 declare -A OVERRIDES=(
   [dflash]="drafter.kind=dflash"
-  [ours]="drafter.kind=dflash2 loss.selector_gradient=detach_unary"
-  [speculators]="drafter.kind=dflash2 loss.selector_gradient=coupled"
-  [specforge]="drafter.kind=dflash2 loss.selector_gradient=coupled loss.selector_gold=strict loss.selector_init=zero loss.selector_warmup_ratio=0.1 loss.selector_ramp_ratio=0.2"
-  [decay]="drafter.kind=dflash2 loss.selector_decay=1.0"
-  [dropout]="drafter.kind=dflash2 loss.selector_dropout=0.2"
+  [ours]="drafter.kind=dflash2 loss.selector.gradient=detach_unary"
+  [speculators]="drafter.kind=dflash2 loss.selector.gradient=coupled"
+  [specforge]="drafter.kind=dflash2 loss.selector.gradient=coupled loss.selector.gold=strict loss.selector.init=zero loss.selector.warmup_ratio=0.1 loss.selector.ramp_ratio=0.2"
+  [decay]="drafter.kind=dflash2 loss.selector.decay=1.0"
+  [dropout]="drafter.kind=dflash2 loss.selector.dropout=0.2"
   [rank64]="drafter.kind=dflash2 drafter.selector_rank=64"
-  [decay_dropout]="drafter.kind=dflash2 loss.selector_decay=1.0 loss.selector_dropout=0.2"
+  [decay_dropout]="drafter.kind=dflash2 loss.selector.decay=1.0 loss.selector.dropout=0.2"
   [topk8]="drafter.kind=dflash2 drafter.selector_top_k=8"
-  [weight2]="drafter.kind=dflash2 loss.selector_weight=2.0"
-  [span]="drafter.kind=dflash2 loss.selector_span=embedding"
-  [spanpred]="drafter.kind=dflash2 loss.selector_span=predecessor"
+  [weight2]="drafter.kind=dflash2 loss.selector.weight=2.0"
+  [span]="drafter.kind=dflash2 loss.selector.span=embedding"
+  [spanpred]="drafter.kind=dflash2 loss.selector.span=predecessor"
 )
 for arm in $ARMS; do
   for seed in $SEEDS; do

@@ -1,4 +1,4 @@
-"""The served selector's shrink (loss.selector_shrink) tried on trained DFlash 2 checkpoints, without retraining.
+"""The served selector's shrink (loss.selector.shrink) tried on trained DFlash 2 checkpoints, without retraining.
 
     python sweeps/selector_shrink.py runs/selector/speculators-s0 0.45 0.6 0.75 1.0 [evaluate.py overrides ...]
 

@@ -78,3 +78,38 @@ def test_a_finished_run_destroys_the_process_group(tmp_path):
     finally:
         if td.is_initialized():
             td.destroy_process_group()
+
+
+@pytest.mark.parametrize("script, given, said", [
+    ("train.py", "eval.temperature=1.0", "eval.temperature is now eval.decode.temperature: write "
+                                         "eval.decode.temperature=1.0"),
+    ("evaluate.py", "eval.suite=zlab", "eval.suite is now eval.suite.name: write eval.suite.name=zlab"),
+    ("train.py", "+loss.selector_shrink=0.5", "write +loss.selector.shrink=0.5"),
+    ("extract.py", "eval.serving_gpu=h100", "eval.serving_gpu is now eval.serving.gpu")])
+def test_a_key_that_moved_into_a_sub_group_is_refused_in_one_line_naming_the_new(script, given, said):
+    """eval's sampling keys went to eval.decode, a suite's to eval.suite, the serving model's to eval.serving and the
+    selector's loss keys to loss.selector: the old key on the command line stops the entry point before Hydra
+    parses (Hydra would only say the key is not in the config), exit 2, one line naming the new key."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / script), given], capture_output=True, text=True, cwd=repo,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert out.returncode == 2 and said in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_every_moved_key_names_a_key_of_todays_schema():
+    """RENAMED's new names are keys of the schema, and no old name is."""
+    from dataclasses import asdict
+
+    from dflash.config import RENAMED, EvalConfig, LossConfig
+
+    def keys(tree: dict, prefix: str):
+        for k, v in tree.items():
+            yield from keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+
+    schema = {*keys(asdict(EvalConfig()), "eval."), *keys(asdict(LossConfig()), "loss.")}
+    assert set(RENAMED.values()) <= schema and not set(RENAMED) & schema

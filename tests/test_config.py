@@ -6,11 +6,11 @@ import sys
 import pytest
 import yaml
 
-from dflash.config import DrafterConfig, LossConfig, NoiseConfig
+from dflash.config import DrafterConfig, LossConfig, NoiseConfig, SelectorLossConfig
 from dflash.errors import ConfigError
 from tests.conftest import REPO, compose
 
-GROUP_OPTIONS = sorted(  # conf/references/ holds published figures (eval.references), not a config group
+GROUP_OPTIONS = sorted(  # conf/references/ holds published figures (eval.suite.references), not a config group
     (p.parent.name, p.stem) for p in (REPO / "conf").glob("*/*.yaml") if p.parent.name != "references")
 REQUIRED = {("layers", "explicit"): ["layers.ids=[1,2,3]"],
             ("data", "jsonl"): ["data.prompts=/tmp/prompts.jsonl"]}
@@ -171,19 +171,19 @@ def run_entry(script, *args, cwd=REPO):
     (lambda: LossConfig(objective="kl", temperature=2.0), "loss.temperature=2.0 applies to"),
     (lambda: LossConfig(objective="expected_tau", normalize="weights"), "loss.normalize=weights"),
     (lambda: LossConfig(objective="expected_tau", kl_weights="dpace"), "loss.kl_weights=dpace"),
-    (lambda: LossConfig(selector_gradient="both"), "loss.selector_gradient='both' is not valid; expected one of "
+    (lambda: SelectorLossConfig(gradient="both"), "loss.selector.gradient='both' is not valid; expected one of "
                                                    "['coupled', 'detach_unary', 'stop']"),
-    (lambda: LossConfig(selector_gold="skip"), "loss.selector_gold='skip' is not valid; expected one of "
+    (lambda: SelectorLossConfig(gold="skip"), "loss.selector.gold='skip' is not valid; expected one of "
                                                "['inject', 'strict']"),
-    (lambda: LossConfig(selector_init="xavier"), "loss.selector_init='xavier'"),
-    (lambda: LossConfig(selector_weights="dpace"), "loss.selector_weights='dpace'"),
-    (lambda: LossConfig(selector_labels="teacher"), "loss.selector_labels='teacher'"),
-    (lambda: LossConfig(selector_decay=-0.1), "loss.selector_decay=-0.1 must be >= 0"),
-    (lambda: LossConfig(selector_shrink=-0.5), "loss.selector_shrink=-0.5 must be >= 0"),
-    (lambda: LossConfig(selector_dropout=1.0), "loss.selector_dropout=1.0 must be in [0, 1)"),
-    (lambda: LossConfig(selector_warmup_ratio=1.5), "loss.selector_warmup_ratio=1.5 must be in [0, 1]"),
-    (lambda: LossConfig(selector_warmup_ratio=0.6, selector_ramp_ratio=0.5), "loss.selector_warmup_ratio + "
-                                                                              "loss.selector_ramp_ratio = 1.1"),
+    (lambda: SelectorLossConfig(init="xavier"), "loss.selector.init='xavier'"),
+    (lambda: SelectorLossConfig(weights="dpace"), "loss.selector.weights='dpace'"),
+    (lambda: SelectorLossConfig(labels="teacher"), "loss.selector.labels='teacher'"),
+    (lambda: SelectorLossConfig(decay=-0.1), "loss.selector.decay=-0.1 must be >= 0"),
+    (lambda: SelectorLossConfig(shrink=-0.5), "loss.selector.shrink=-0.5 must be >= 0"),
+    (lambda: SelectorLossConfig(dropout=1.0), "loss.selector.dropout=1.0 must be in [0, 1)"),
+    (lambda: SelectorLossConfig(warmup_ratio=1.5), "loss.selector.warmup_ratio=1.5 must be in [0, 1]"),
+    (lambda: SelectorLossConfig(warmup_ratio=0.6, ramp_ratio=0.5), "loss.selector.warmup_ratio + "
+                                                                              "loss.selector.ramp_ratio = 1.1"),
 ])
 def test_cross_field_checks(make, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -191,15 +191,13 @@ def test_cross_field_checks(make, needle):
 
 
 def test_the_selector_defaults_are_todays_training():
-    """The loss.selector_* keys' defaults: coupled gradients (issue 50's sweep made them the default), gold
+    """The loss.selector.* keys' defaults: coupled gradients (issue 50's sweep made them the default), gold
     injected, no schedule, normal init, decay weights, data labels, the codebooks decayed as any matrix, no
     dropout, the pairwise term served at 0.6 of the trained one (the same sweep), free codebook rows."""
-    loss = compose("train", ["drafter=dflash2"]).loss
-    assert {k: getattr(loss, k) for k in vars(loss) if k.startswith("selector_")} == {
-        "selector_weight": 1.0, "selector_gradient": "coupled", "selector_gold": "inject",
-        "selector_warmup_ratio": 0.0, "selector_ramp_ratio": 0.0, "selector_init": "normal",
-        "selector_weights": "decay", "selector_labels": "data", "selector_decay": None, "selector_dropout": 0.0,
-        "selector_shrink": 0.6, "selector_span": "free"}
+    assert vars(compose("train", ["drafter=dflash2"]).loss.selector) == {
+        "weight": 1.0, "gradient": "coupled", "gold": "inject", "warmup_ratio": 0.0, "ramp_ratio": 0.0,
+        "init": "normal", "weights": "decay", "labels": "data", "decay": None, "dropout": 0.0, "shrink": 0.6,
+        "span": "free"}
 
 
 def test_dflash2_takes_32_candidates_and_its_published_presets_16():

@@ -72,7 +72,7 @@ CASES = {
                 "data.completions.path=cache/smollm2_135m/vllm_check/completions.jsonl", "train.batch_size=2",
                 "train.num_anchors=16", "train.save_every=1000000", "eval.max_prompts=8", "eval.max_new_tokens=64"],
         steps=300,
-        eval=["eval=live", "eval.ddtree_budgets=[]", "eval.warmup_tokens=0"],
+        eval=["eval=live", "eval.ddtree_budgets=[]", "eval.decode.warmup_tokens=0"],
         exports={"full": ([], None)},
         # batched, vLLM accepted one draft fewer than ours on 1-2 prompts, each within the last 7 tokens of the 64-token
         # budget (7, 4 and 1 tokens left; one where our first draft led by a logit margin of 0.25): at a 96-token

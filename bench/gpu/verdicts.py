@@ -5,8 +5,8 @@ from __future__ import annotations
 
 RECIPE_LENGTH = 3072
 PLAN_TOL = 0.15  # the plan's peak against the measured one (tests/plan/test_plan.py holds it to this on CPU)
-BF16_TIE_MARGIN = 0.1  # the floor dflash.evaluate.live takes for a tie of bf16 logits (eval.tie_margin null); live
-# widens it to 4 units in the last place of the top logit where larger (tie_margin_at: 0.5 at a logit of 20)
+BF16_TIE_MARGIN = 0.1  # the floor dflash.evaluate.live takes for a tie of bf16 logits (eval.decode.tie_margin
+# null); live widens it to 4 units in the last place of the top logit where larger (tie_margin_at: 0.5 at a logit of 20)
 
 
 def flex_verdict(out: dict, flex: bool = True, recipe: int = RECIPE_LENGTH) -> dict:
@@ -138,7 +138,7 @@ def kernel_verdict(out: dict, label: str) -> tuple[list[str], str]:
 
 def tie_margin(dtype: str) -> float:
     """The top-2 logit margin under which a position is a numerical tie: what dflash.evaluate.live takes
-    (eval.tie_margin null), 1e-3 for float32 logits and BF16_TIE_MARGIN for bf16 ones."""
+    (eval.decode.tie_margin null), 1e-3 for float32 logits and BF16_TIE_MARGIN for bf16 ones."""
     return 1e-3 if dtype == "float32" else BF16_TIE_MARGIN
 
 

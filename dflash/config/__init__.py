@@ -17,14 +17,18 @@ from omegaconf import MISSING
 
 from dflash.config.checks import ConfigError
 from dflash.config.data import CompletionsConfig, DataConfig, FeaturesConfig, ToolsConfig
-from dflash.config.model import DEFAULT_GAMMA, DrafterConfig, LayersConfig, LossConfig, NoiseConfig, TargetConfig
+from dflash.config.model import (DEFAULT_GAMMA, DrafterConfig, LayersConfig, LossConfig, NoiseConfig,
+                                 SelectorLossConfig, TargetConfig)
 from dflash.config.plan import PlanConfig
-from dflash.config.run import EvalConfig, LoggerConfig, OptimConfig, ProvenanceConfig, RunConfig, TrainConfig
+from dflash.config.renamed import RENAMED, migrate_settings, migrate_tree, refuse_renamed
+from dflash.config.run import (DecodeConfig, EvalConfig, LoggerConfig, OptimConfig, ProvenanceConfig, RunConfig,
+                               ServingModelConfig, SuiteConfig, TrainConfig)
 
-__all__ = ["DEFAULT_GAMMA", "CompletionsConfig", "ConfigError", "DataConfig", "DrafterConfig", "EvalConfig",
-           "FeaturesConfig", "JobConfig", "LayersConfig", "LoggerConfig", "LossConfig", "NoiseConfig", "OptimConfig",
-           "PlanConfig", "ProvenanceConfig", "ReportConfig", "RunConfig", "TargetConfig", "ToolsConfig", "TrainConfig",
-           "register_configs"]
+__all__ = ["DEFAULT_GAMMA", "RENAMED", "CompletionsConfig", "ConfigError", "DataConfig", "DecodeConfig",
+           "DrafterConfig", "EvalConfig", "FeaturesConfig", "JobConfig", "LayersConfig", "LoggerConfig", "LossConfig",
+           "NoiseConfig", "OptimConfig", "PlanConfig", "ProvenanceConfig", "ReportConfig", "RunConfig",
+           "SelectorLossConfig", "ServingModelConfig", "SuiteConfig", "TargetConfig", "ToolsConfig", "TrainConfig",
+           "migrate_settings", "migrate_tree", "refuse_renamed", "register_configs"]
 
 
 @dataclass

@@ -41,7 +41,7 @@ class CompletionsConfig:
     """Extra stop strings; the tokenizer's end-of-turn tokens always stop."""
     temperature: float = 0.0
     """0 = greedy completions (the paper's); > 0 samples them (with top_p, top_k, seed): the held-out set at
-    eval.temperature > 0."""
+    eval.decode.temperature > 0."""
     top_p: float = 1.0
     """Nucleus sampling of the completions (1 = off)."""
     top_k: int = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
@@ -199,7 +199,68 @@ SOFT_OBJECTIVES = ("kl", *ACCEPTANCE_OBJECTIVES)  # read the target's next-token
 SELECTOR_CHOICES = {"gradient": ("coupled", "detach_unary", "stop"), "gold": ("inject", "strict"),
                     "weights": ("decay", "follow"), "init": ("normal", "zero"), "labels": ("data", "target"),
                     "span": ("free", "embedding", "predecessor")}
-"""The values of loss.selector_<key> (dflash.drafter.selector_loss says what each does)."""
+"""The values of loss.selector.<key> (dflash.drafter.selector_loss says what each does)."""
+
+
+@dataclass
+class SelectorLossConfig:
+    """loss.selector: DFlash 2's candidate selector, its K-way cross-entropy and how it is trained and served
+    (dflash.drafter.selector_loss)."""
+
+    weight: float = 1.0
+    """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, the previous gold token as
+    predecessor) added to the per-slot loss (loss.objective's); the keys below say how it is formed."""
+    gradient: str = "coupled"
+    """dflash2: coupled (the selector's gradient reaches the unary logits too; the default since issue 50's sweep:
+    +0.049 walk tau over detach_unary on the toy, 3 of 3 seeds, at the same step cost), detach_unary (it does not;
+    the default before) or stop (nor the hidden states: it trains the codebooks and projection only)."""
+    gold: str = "inject"
+    """dflash2: inject (a gold token outside the unary top-K takes the K-th place in the loss) or strict (such a
+    row gives no selector loss and leaves its normaliser)."""
+    warmup_ratio: float = 0.0
+    """dflash2: the selector's weight is 0 for this fraction of the steps, then ramps (ramp_ratio)."""
+    ramp_ratio: float = 0.0
+    """dflash2: fraction of the steps over which the selector's weight rises linearly from 0 to weight."""
+    init: str = "normal"
+    """dflash2: the successor codebook's init, normal (std 0.02) or zero (step 0 drafts the unary argmax path;
+    it still trains: S's gradient is P[prev] (W h), nonzero)."""
+    weights: str = "decay"
+    """dflash2: the selector's slot weights, decay (exp(-(k-1)/gamma)) or follow (the per-slot loss's: decay or
+    D-PACE)."""
+    labels: str = "data"
+    """dflash2: the selector's gold tokens, data (the labels) or target (the target's argmax there: online, or
+    offline from a cache extracted with features.topk_logits)."""
+    decay: float | None = None
+    """dflash2: AdamW weight decay of the two codebooks; null = optim.weight_decay, as any matrix."""
+    dropout: float = 0.0
+    """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
+    shrink: float = 0.6
+    """dflash2: the served selector's pairwise term is the trained one times this (its predecessor codebook scaled
+    in every checkpoint's servable weights and in in-run evaluation; training's scores and its float32 copy keep
+    the trained one); train/tau scores the choice with it. Below 1 it shrinks a selector that over-fits its
+    training answers towards the unary scores: 0.6 (issue 50's sweep, docs/results/2026-12-03-dflash2.md); 1 serves it
+    as trained."""
+    span: str = "free"
+    """dflash2: free (each token's codebook rows its own) or embedding (after every optimizer step each codebook is
+    projected onto the span of the target's token vectors, its embeddings for the predecessor's and its head's rows
+    for the successor's: tokens alike to the target share what the selector learns of them), or predecessor (the
+    predecessor's codebook alone)."""
+
+    def __post_init__(self) -> None:
+        positive("loss.selector.weight", self.weight, allow_zero=True)
+        for key, allowed in SELECTOR_CHOICES.items():
+            one_of(f"loss.selector.{key}", getattr(self, key), set(allowed))
+        positive("loss.selector.decay", self.decay, allow_zero=True)
+        positive("loss.selector.shrink", self.shrink, allow_zero=True)
+        for key in ("warmup_ratio", "ramp_ratio"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"loss.selector.{key}={getattr(self, key)} must be in [0, 1] (a fraction of the "
+                                  f"steps)")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"loss.selector.dropout={self.dropout} must be in [0, 1)")
+        if self.warmup_ratio + self.ramp_ratio > 1:
+            raise ConfigError(f"loss.selector.warmup_ratio + loss.selector.ramp_ratio = "
+                              f"{self.warmup_ratio + self.ramp_ratio} must be <= 1 (the ramp ends by the last step)")
 
 
 @dataclass
@@ -225,44 +286,8 @@ class LossConfig:
     """Slot weights of loss=kl, tv and nla: decay (as decay_ce) or dpace."""
     temperature: float = 1.0
     """Temperature T of tv, nla and expected_tau: alpha compares softmax(logits / T) of target and drafter."""
-    selector_weight: float = 1.0
-    """dflash2: weight of the selector's K-way cross-entropy (over the unary top-K, the previous gold token as
-    predecessor) added to the per-slot loss above; the selector_* keys below say how it is formed."""
-    selector_gradient: str = "coupled"
-    """dflash2: coupled (the selector's gradient reaches the unary logits too; the default since issue 50's sweep:
-    +0.049 walk tau over detach_unary on the toy, 3 of 3 seeds, at the same step cost), detach_unary (it does not;
-    the default before) or stop (nor the hidden states: it trains the codebooks and projection only)."""
-    selector_gold: str = "inject"
-    """dflash2: inject (a gold token outside the unary top-K takes the K-th place in the loss) or strict (such a
-    row gives no selector loss and leaves its normaliser)."""
-    selector_warmup_ratio: float = 0.0
-    """dflash2: the selector's weight is 0 for this fraction of the steps, then ramps (selector_ramp_ratio)."""
-    selector_ramp_ratio: float = 0.0
-    """dflash2: fraction of the steps over which the selector's weight rises linearly from 0 to selector_weight."""
-    selector_init: str = "normal"
-    """dflash2: the successor codebook's init, normal (std 0.02) or zero (step 0 drafts the unary argmax path;
-    it still trains: S's gradient is P[prev] (W h), nonzero)."""
-    selector_weights: str = "decay"
-    """dflash2: the selector's slot weights, decay (exp(-(k-1)/gamma)) or follow (the per-slot loss's: decay or
-    D-PACE)."""
-    selector_labels: str = "data"
-    """dflash2: the selector's gold tokens, data (the labels) or target (the target's argmax there: online, or
-    offline from a cache extracted with features.topk_logits)."""
-    selector_decay: float | None = None
-    """dflash2: AdamW weight decay of the two codebooks; null = optim.weight_decay, as any matrix."""
-    selector_dropout: float = 0.0
-    """dflash2: dropout on the predecessor's codebook row in the selector's loss (training only), in [0, 1)."""
-    selector_shrink: float = 0.6
-    """dflash2: the served selector's pairwise term is the trained one times this (its predecessor codebook scaled
-    in every checkpoint's servable weights and in in-run evaluation; training's scores and its float32 copy keep
-    the trained one); train/tau scores the choice with it. Below 1 it shrinks a selector that over-fits its
-    training answers towards the unary scores: 0.6 (issue 50's sweep, docs/results/2026-12-03-dflash2.md); 1 serves it
-    as trained."""
-    selector_span: str = "free"
-    """dflash2: free (each token's codebook rows its own) or embedding (after every optimizer step each codebook is
-    projected onto the span of the target's token vectors, its embeddings for the predecessor's and its head's rows
-    for the successor's: tokens alike to the target share what the selector learns of them), or predecessor (the
-    predecessor's codebook alone)."""
+    selector: SelectorLossConfig = field(default_factory=SelectorLossConfig)
+    """dflash2: the candidate selector's loss (loss.selector.weight, loss.selector.shrink, ...)."""
     chunk_logits: int = 134217728
     """Largest logits tensor (rows x vocab elements) made at once; above it the loss runs in row chunks, so
     [anchors x block x vocab] never exists whole (0 = never chunk)."""
@@ -281,20 +306,6 @@ class LossConfig:
             raise ConfigError(f"loss.alpha={self.alpha} must be in (0, 1] (1 = uniform D-PACE weights)")
         positive("loss.gamma", self.gamma)
         positive("loss.chunk_logits", self.chunk_logits, allow_zero=True)
-        positive("loss.selector_weight", self.selector_weight, allow_zero=True)
-        for key, allowed in SELECTOR_CHOICES.items():
-            one_of(f"loss.selector_{key}", getattr(self, f"selector_{key}"), set(allowed))
-        positive("loss.selector_decay", self.selector_decay, allow_zero=True)
-        positive("loss.selector_shrink", self.selector_shrink, allow_zero=True)
-        for key in ("selector_warmup_ratio", "selector_ramp_ratio"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"loss.{key}={getattr(self, key)} must be in [0, 1] (a fraction of the steps)")
-        if not 0 <= self.selector_dropout < 1:
-            raise ConfigError(f"loss.selector_dropout={self.selector_dropout} must be in [0, 1)")
-        if self.selector_warmup_ratio + self.selector_ramp_ratio > 1:
-            raise ConfigError(f"loss.selector_warmup_ratio + loss.selector_ramp_ratio = "
-                              f"{self.selector_warmup_ratio + self.selector_ramp_ratio} must be <= 1 (the ramp ends "
-                              f"by the last step)")
         if not self.temperature > 0:
             raise ConfigError(f"loss.temperature={self.temperature} must be > 0 (1 = the distributions as they are)")
         if self.temperature != 1 and self.objective not in ACCEPTANCE_OBJECTIVES:

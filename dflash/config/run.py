@@ -12,7 +12,7 @@ CHECKPOINTING_MODES = ("off", "selective", "full", "auto")
 COMPILE_MODES = ("off", "layers", "model")
 """train.compile's values."""
 SERVING_GPUS = ("h200", "h100", "a100")
-"""The GPUs the serving model knows (eval.serving_gpu, the plan's gpu=): dflash.plan.serving.GPUS holds their
+"""The GPUs the serving model knows (eval.serving.gpu, the plan's gpu=): dflash.plan.serving.GPUS holds their
 figures, keyed by these names."""
 
 
@@ -143,7 +143,116 @@ class TrainConfig:
 
 
 SELECTOR_DRAWS = ("candidates", "vocabulary", "unary")
-"""eval.selector_draw's values (dflash.drafter.decoding.sampling.SelectorDraw)."""
+"""eval.decode.selector_draw's values (dflash.drafter.decoding.sampling.SelectorDraw)."""
+
+
+@dataclass
+class DecodeConfig:
+    """eval.decode: how an evaluation draws and verifies: sampling (temperature, top-p, top-k, seed), live decoding's
+    verifier, DFlash 2's draw and beam, and live decoding's tie margin and warm-up."""
+
+    temperature: float = 0.0
+    """Sampling temperature (0 = greedy). Live: drafts sampled from the drafter after the target's transform and
+    verified by `verifier`; teacher-forced: the held-out completions are sampled at it and the expected
+    acceptance under rejection sampling is reported beside the greedy numbers (dflash.evaluate.teacher_forced)."""
+    top_p: float = 1.0
+    """Nucleus sampling of target and drafter alike (1 = off); used when temperature > 0."""
+    top_k: int = 0
+    """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
+    seed: int = 0
+    """Sampling's randomness (temperature > 0): the seed of the sampled held-out completions and, with the prompt's
+    index, of each live decoding; another seed is another sample of the same distributions (error bars)."""
+    verifier: str = "rejection"
+    """Live mode at temperature > 0: rejection (speculative sampling: lossless, the acceptance servers get),
+    seeded (exact match of the target's seeded draws: the output equals plain sampling token for token, and
+    accepts less) or exact_match (greedy drafts accepted when they equal the target's sample: how the reference
+    benchmark measured its temperature-1 tables)."""
+    selector_draw: str = "candidates"
+    """DFlash 2 at temperature > 0, what its chain is drawn from (dflash.drafter.decoding.sampling.SelectorDraw):
+    candidates (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the
+    unary logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
+    unary (the unary head alone, DFlash's drafting). Recorded in summary.json and the metrics' namespace."""
+    selector_truncation: bool = False
+    """DFlash 2 at temperature > 0: apply top_p / top_k to its draw too. Off (the default) draws from softmax(score /
+    temperature), as the z-lab reference decoder does, so that acceptance compares with its; on is an extra,
+    recorded in summary.json and in the metrics' namespace (eval/t1-p0.9-sel/...)."""
+    selector_beam: int = 1
+    """DFlash 2 at temperature 0: beside its greedy walk, draft the chain a beam of this width finds over the
+    selector's pairwise scores (the path of the largest expected accepted length under its own probabilities,
+    dflash.drafter.dflash2.beam_path): reported as eval/tau_beam (teacher-forced) and eval/live_beam_* (live),
+    at the greedy chain's verify cost; 1 = none."""
+    tie_margin: float | None = None
+    """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
+    is reported as a numerical tie, not a failure; null = by the target's dtype: 1e-3 for float32 targets, 0.1
+    otherwise, or 4 units in the last place of the top logit in that dtype where larger (a bf16 logit of 20 is
+    stored to 0.125: a one-rounding difference between batched and one-token forwards is 0.125 there)."""
+    warmup_tokens: int = 32
+    """Live mode: before the timed decoding, the first prompt is decoded this many tokens, untimed and unscored,
+    plainly and by each verifier, so that the kernels' compiles and autotuning are not timed as the first decoding's
+    cost (fla's Gated DeltaNet kernels autotune once per kernel and key for an empty Triton cache directory,
+    TRITON_CACHE_DIR: 45 s for the first forward of a hybrid target on a fresh H200, minutes in all; the compiles
+    are per process); 0 = none. Changes the speedup and timing metrics only."""
+
+    def __post_init__(self) -> None:
+        positive("eval.decode.temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"eval.decode.top_p={self.top_p} must be in (0, 1] (1 = off)")
+        positive("eval.decode.top_k", self.top_k, allow_zero=True)
+        one_of("eval.decode.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
+        one_of("eval.decode.selector_draw", self.selector_draw, set(SELECTOR_DRAWS))
+        positive("eval.decode.selector_beam", self.selector_beam)
+        positive("eval.decode.warmup_tokens", self.warmup_tokens, allow_zero=True)
+
+
+@dataclass
+class SuiteConfig:
+    """eval.suite: benchmarks evaluated each on its own (evaluate.py only), and how, so that a number is computed
+    as the published figures were."""
+
+    name: str | None = None
+    """Benchmarks to evaluate, each reported on its own: zlab (the reference benchmark's five: gsm8k, math500,
+    humaneval, mbpp, mt_bench), paper (the nine of the reference figures), math, code, chat, coding
+    (builtin:eval_coding) or names joined by + (gsm8k+humaneval); null = eval.prompts alone
+    (dflash.evaluate.suites). evaluate.py only: the in-run evaluation stays on eval.prompts."""
+    benchmarks_dir: str | None = None
+    """Folder holding the suite's benchmark files (<name>.jsonl, <name>.parquet or a datasets folder <name>/)."""
+    references: str | None = None
+    """Published figures shown beside a suite's rows: a YAML file, or a name in conf/references/ (dflash_paper)."""
+    protocol: str = "zlab"
+    """How a suite's benchmarks are sampled, prompted and averaged, so that our number is computed as the reference
+    figures were (dflash.evaluate.suites.PROTOCOLS): zlab (z-lab dflash 0.1.0 benchmark.py: prompts taken after
+    random.Random(42).shuffle, the chat template's thinking default unless eval.suite.thinking, both MT-Bench turns, the
+    mean over requests of each request's tau), zlab_bb48ef9 (the benchmark.py of the README tables in
+    conf/references/dflash_paper.yaml: thinking off, both turns, mean over requests) or first_turn (the first
+    records, data.enable_thinking, first user turns only, the pooled walk tau)."""
+    thinking: bool | None = None
+    """A suite's thinking switch under protocol zlab (the reference benchmark's --reasoning on/off): null leaves
+    the chat template's default (on for Qwen3 and Qwen3.5/3.6)."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and not self.name.strip():
+            raise ConfigError("eval.suite.name is empty: give a suite (zlab, paper, math, code, chat, coding) or null")
+        if self.references is not None and self.name is None:
+            raise ConfigError("eval.suite.references are shown per benchmark: set eval.suite.name too (e.g. "
+                              "eval.suite.name=paper)")
+        one_of("eval.suite.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
+
+
+@dataclass
+class ServingModelConfig:
+    """eval.serving: live mode's prediction of what the drafter buys on a serving engine (dflash.plan.serving)."""
+
+    gpu: str = "h200"
+    """Live mode: the GPU (h200, h100, a100) whose roofline turns the measured live tau into the serving model's
+    predicted speedup at each of eval.serving.concurrency (dflash.plan.serving: a model, not a measurement)."""
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    """Live mode: the concurrencies the serving model predicts the drafter's speedup at, as
+    eval/live_serving@<C>_speedup ([] for none)."""
+
+    def __post_init__(self) -> None:
+        one_of("eval.serving.gpu", self.gpu.lower(), set(SERVING_GPUS))
+        for c in self.concurrency:
+            positive("eval.serving.concurrency[*]", c)
 
 
 @dataclass
@@ -181,39 +290,9 @@ class EvalConfig:
     """Evaluate at most this many prompts."""
     ddtree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     """DDTree node budgets N for ddtree@N."""
-    temperature: float = 0.0
-    """Sampling temperature (0 = greedy). Live: drafts sampled from the drafter after the target's transform and
-    verified by `verifier`; teacher-forced: the held-out completions are sampled at it and the expected
-    acceptance under rejection sampling is reported beside the greedy numbers (dflash.evaluate.teacher_forced)."""
-    top_p: float = 1.0
-    """Nucleus sampling of target and drafter alike (1 = off); used when temperature > 0."""
-    top_k: int = 0
-    """Top-k sampling of target and drafter alike (0 = off); used when temperature > 0."""
-    selector_draw: str = "candidates"
-    """DFlash 2 at temperature > 0, what its chain is drawn from (dflash.drafter.decoding.sampling.SelectorDraw):
-    candidates (softmax(score / T) over the unary top-K, as the z-lab reference draws), vocabulary (every token: the
-    unary logits with the candidates rescored, so a flat target distribution is not capped at the K candidates' mass) or
-    unary (the unary head alone, DFlash's drafting). Recorded in summary.json and the metrics' namespace."""
-    selector_beam: int = 1
-    """DFlash 2 at temperature 0: beside its greedy walk, draft the chain a beam of this width finds over the
-    selector's pairwise scores (the path of the largest expected accepted length under its own probabilities,
-    dflash.drafter.dflash2.beam_path): reported as eval/tau_beam (teacher-forced) and eval/live_beam_* (live),
-    at the greedy chain's verify cost; 1 = none."""
-    selector_truncation: bool = False
-    """DFlash 2 at temperature > 0: apply top_p / top_k to its draw too. Off (the default) draws from softmax(score /
-    temperature), as the z-lab reference decoder does, so that acceptance compares with its; on is an extra,
-    recorded in summary.json and in the metrics' namespace (eval/t1-p0.9-sel/...)."""
-    verifier: str = "rejection"
-    """Live mode at temperature > 0: rejection (speculative sampling: lossless, the acceptance servers get),
-    seeded (exact match of the target's seeded draws: the output equals plain sampling token for token, and
-    accepts less) or exact_match (greedy drafts accepted when they equal the target's sample: how the reference
-    benchmark measured its temperature-1 tables)."""
-    seed: int = 0
-    """Sampling's randomness (temperature > 0): the seed of the sampled held-out completions and, with the prompt's
-    index, of each live decoding; another seed is another sample of the same distributions (error bars)."""
     topk_logits: int = 256
     """At temperature > 0, the held-out set stores the target's top-k next-token distribution, k = this, for the
-    expected acceptance: exact when k covers the vocabulary or eval.top_k <= k; otherwise at temperature 1 alpha
+    expected acceptance: exact when k covers the vocabulary or eval.decode.top_k <= k; otherwise at temperature 1 alpha
     is an upper bound (the other tokens are one bucket), at other temperatures the k tokens are renormalised
     (dflash.drafter.decoding.sampling.stored_probs)."""
     compare: list[str] = field(default_factory=list)
@@ -222,25 +301,6 @@ class EvalConfig:
     tells them apart (run_a/export, run_b/export); results in <eval dir>/compare/<label, '/' as '__'>/. name=path
     sets a label ('eval.compare=["zlab=/models/b16"]', quoted for Hydra); a label two drafters would share is
     refused (dflash.evaluate.runner.drafter_labels)."""
-    suite: str | None = None
-    """Benchmarks to evaluate, each reported on its own: zlab (the reference benchmark's five: gsm8k, math500,
-    humaneval, mbpp, mt_bench), paper (the nine of the reference figures), math, code, chat, coding
-    (builtin:eval_coding) or names joined by + (gsm8k+humaneval); null = eval.prompts alone (dflash.evaluate.suites). evaluate.py only:
-    the in-run evaluation stays on eval.prompts."""
-    benchmarks_dir: str | None = None
-    """Folder holding the suite's benchmark files (<name>.jsonl, <name>.parquet or a datasets folder <name>/)."""
-    references: str | None = None
-    """Published figures shown beside a suite's rows: a YAML file, or a name in conf/references/ (dflash_paper)."""
-    protocol: str = "zlab"
-    """How a suite's benchmarks are sampled, prompted and averaged, so that our number is computed as the reference
-    figures were (dflash.evaluate.suites.PROTOCOLS): zlab (z-lab dflash 0.1.0 benchmark.py: prompts taken after
-    random.Random(42).shuffle, the chat template's thinking default unless eval.thinking, both MT-Bench turns, the
-    mean over requests of each request's tau), zlab_bb48ef9 (the benchmark.py of the README tables in
-    conf/references/dflash_paper.yaml: thinking off, both turns, mean over requests) or first_turn (the first
-    records, data.enable_thinking, first user turns only, the pooled walk tau)."""
-    thinking: bool | None = None
-    """A suite's thinking switch under protocol zlab (the reference benchmark's --reasoning on/off): null leaves
-    the chat template's default (on for Qwen3 and Qwen3.5/3.6)."""
     turns: str = "all"
     """Which user turns of a multi-turn held-out prompt are evaluated: all (each its own request, the earlier
     assistant turns the target's own answers, teacher-forced and live alike) or first. A suite's protocol sets it."""
@@ -255,51 +315,23 @@ class EvalConfig:
     """Dtype the drafter is evaluated in: auto = the target's (what SGLang and vLLM serve it in: bfloat16 for the
     Qwen presets, float32 for the float32 toy and tiny targets), bfloat16, or float32 (the training weights as
     they are; slower). Recorded in summary.json."""
-    tie_margin: float | None = None
-    """Live mode: a divergence from plain decoding where plain decoding's top-2 logits are closer than this
-    is reported as a numerical tie, not a failure; null = by the target's dtype: 1e-3 for float32 targets, 0.1
-    otherwise, or 4 units in the last place of the top logit in that dtype where larger (a bf16 logit of 20 is
-    stored to 0.125: a one-rounding difference between batched and one-token forwards is 0.125 there)."""
-    warmup_tokens: int = 32
-    """Live mode: before the timed decoding, the first prompt is decoded this many tokens, untimed and unscored,
-    plainly and by each verifier, so that the kernels' compiles and autotuning are not timed as the first decoding's
-    cost (fla's Gated DeltaNet kernels autotune once per kernel and key for an empty Triton cache directory,
-    TRITON_CACHE_DIR: 45 s for the first forward of a hybrid target on a fresh H200, minutes in all; the compiles
-    are per process); 0 = none. Changes the speedup and timing metrics only."""
-
-    serving_gpu: str = "h200"
-    """Live mode: the GPU (h200, h100, a100) whose roofline turns the measured live tau into the serving model's
-    predicted speedup at each of eval.serving_concurrency (dflash.plan.serving: a model, not a measurement)."""
-    serving_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
-    """Live mode: the concurrencies the serving model predicts the drafter's speedup at, as
-    eval/live_serving@<C>_speedup ([] for none)."""
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    """Sampling, verification and DFlash 2's draw (eval.decode.temperature, eval.decode.verifier, ...)."""
+    suite: SuiteConfig = field(default_factory=SuiteConfig)
+    """Benchmarks reported each on its own (eval.suite.name=zlab, eval.suite.benchmarks_dir, ...); evaluate.py only."""
+    serving: ServingModelConfig = field(default_factory=ServingModelConfig)
+    """Live mode's serving model (eval.serving.gpu, eval.serving.concurrency)."""
 
     def __post_init__(self) -> None:
         one_of("eval.mode", self.mode, {"teacher_forced", "live"})
-        one_of("eval.serving_gpu", self.serving_gpu.lower(), set(SERVING_GPUS))
-        for c in self.serving_concurrency:
-            positive("eval.serving_concurrency[*]", c)
         one_of("eval.anchor_region", self.anchor_region, {"response", "all"})
         one_of("eval.dtype", self.dtype, {"auto", "bfloat16", "float32"})
-        if self.suite is not None and not self.suite.strip():
-            raise ConfigError("eval.suite is empty: give a suite (zlab, paper, math, code, chat, coding) or null")
-        if self.references is not None and self.suite is None:
-            raise ConfigError("eval.references are shown per benchmark: set eval.suite too (e.g. eval.suite=paper)")
         for key in ("max_new_tokens", "completions_batch_size", "anchor_stride", "max_blocks", "max_prompts"):
             positive(f"eval.{key}", getattr(self, key))
-        positive("eval.warmup_tokens", self.warmup_tokens, allow_zero=True)
         positive("eval.every", self.every, allow_zero=True)
-        positive("eval.temperature", self.temperature, allow_zero=True)
-        one_of("eval.verifier", self.verifier, {"rejection", "seeded", "exact_match"})
-        one_of("eval.selector_draw", self.selector_draw, set(SELECTOR_DRAWS))
-        positive("eval.selector_beam", self.selector_beam)
         for kind in self.slices:
             one_of("eval.slices[*]", kind, {"source", "thinking", "tools", "length"})
-        one_of("eval.protocol", self.protocol, {"zlab", "zlab_bb48ef9", "first_turn"})
         one_of("eval.turns", self.turns, {"all", "first"})
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"eval.top_p={self.top_p} must be in (0, 1] (1 = off)")
-        positive("eval.top_k", self.top_k, allow_zero=True)
         positive("eval.topk_logits", self.topk_logits)
         for n in self.ddtree_budgets:
             positive("eval.ddtree_budgets[*]", n)

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def build_drafter(cfg: DrafterConfig, layers: LayersConfig, target: Target,
                   successor_init: str = "normal") -> DFlashDraftModel:
     """A fresh drafter sized after the target (or loaded from cfg.init_from), in float32. successor_init: a fresh
-    DFlash 2 selector's successor codebook, normal (the model's init) or zero (loss.selector_init: the pairwise
+    DFlash 2 selector's successor codebook, normal (the model's init) or zero (loss.selector.init: the pairwise
     term is 0, so it drafts its unary argmax path, DFlash's, until trained; the codebook's gradient P[prev] (W h)
     is not 0, so it trains, and P and W follow once S moves)."""
     layer_ids = resolve_layer_ids(layers, target.num_layers)
@@ -292,7 +292,7 @@ def load_drafter(path: str) -> DFlashDraftModel:
 
 SHRINK_KEY = "selector_shrink"
 """dflash_config key of a DFlash 2 checkpoint written by dflash: the factor its served predecessor codebook carries
-(loss.selector_shrink), i.e. model.safetensors holds the trained codebook times it. Servers ignore it (they serve
+(loss.selector.shrink), i.e. model.safetensors holds the trained codebook times it. Servers ignore it (they serve
 the weights as they are); dflash reads it to train on from the trained codebook (`load_trained`)."""
 
 
@@ -344,7 +344,7 @@ def save_drafter(drafter: DFlashDraftModel, folder: Path, state_dict: dict | Non
     and rope_theta/rope_scaling/torch_dtype that older readers take), and this package's model.py as
     modeling_dflash.py with `auto_map`, so AutoModel.from_pretrained(folder, trust_remote_code=True)
     builds a DFlashDraftModel. `dtype` casts the saved floating-point weights (e.g. bf16 for serving).
-    selector_shrink (DFlash 2, loss.selector_shrink): the weights given are the trained ones; the predecessor
+    selector_shrink (DFlash 2, loss.selector.shrink): the weights given are the trained ones; the predecessor
     codebook is saved times it (`served_weights`) and config.json records it (`SHRINK_KEY`), so the two never
     disagree. None: the weights are saved as given, and config.json says what the drafter's own config says."""
     folder = Path(folder)

@@ -140,7 +140,7 @@ class CandidateSelector(nn.Module):
     def pairwise(self, hidden: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor,
                  dropout: float = 0.0) -> torch.Tensor:
         """sum_r P[prev, r] (W h)[r] S[cand, r]: hidden [..., H], prev [...], cand [..., K] -> [..., K]. dropout:
-        on the predecessor's row P[prev], a regulariser of training only (loss.selector_dropout; decoding has 0)."""
+        on the predecessor's row P[prev], a regulariser of training only (loss.selector.dropout; decoding has 0)."""
         grad = torch.is_grad_enabled()  # without gradients (decoding) no autograd Function's overhead
         P = self.predecessor_codebook
         pred = _CodebookRows.apply(P, prev) if grad else F.embedding(prev, P)

@@ -1,5 +1,5 @@
 """DFlash 2's candidate selector in training (DESIGN §2b): its K-way cross-entropy over the unary top-K
-(`selector_ce`) and the choices of how it is trained (`SelectorOptions`, the loss.selector_* keys).
+(`selector_ce`) and the choices of how it is trained (`SelectorOptions`, the loss.selector.* keys).
 
 The loss is computed inside dflash.drafter.loss's row chunks, from the chunk's logits of the target head (the
 unary scores), so the LM head runs once per row. Per row (hidden h [H], gold token y, predecessor a = the previous
@@ -41,9 +41,9 @@ from dflash.config.model import SELECTOR_CHOICES
 
 @dataclass(frozen=True)
 class SelectorOptions:
-    """How the selector's loss is formed (loss.selector_gradient, selector_gold, selector_dropout,
-    selector_weights; this module's docstring says what each does), and `shrink` (loss.selector_shrink) the weight of
-    the pairwise term in the choice the metrics score: the served drafter's (`served_weights`)."""
+    """How the selector's loss is formed (loss.selector.gradient, gold, dropout, weights; this module's docstring
+    says what each does), and `shrink` (loss.selector.shrink) the weight of the pairwise term in the choice the
+    metrics score: the served drafter's (`served_weights`)."""
 
     gradient: str = "coupled"
     gold: str = "inject"
@@ -99,7 +99,7 @@ def selector_ce(selector, hidden: torch.Tensor, logits: torch.Tensor, labels: to
 
     hidden [N, H], logits [N, V] (the unary scores), labels [N] (the data's tokens: the oracle's reference),
     prev [N] (the previous data token: the anchor at slot 1), gold [N] the tokens the CE trains towards (None =
-    labels; loss.selector_labels=target gives the target's argmax). The loss's candidates are the unary top-K,
+    labels; loss.selector.labels=target gives the target's argmax). The loss's candidates are the unary top-K,
     with a missing gold token in place of the K-th (inject; with strict that row's CE is 0 and not counted); the
     scores are unary + pairwise. The choice is the best of the unary top-K alone, as decoding chooses: a gold
     token outside them is never chosen. One score per candidate, the top-K's and the gold's ([N, K + 1]), serves
@@ -184,7 +184,7 @@ PREDECESSOR_KEY = "candidate_selector.predecessor_codebook"
 
 
 def served_weights(state_dict: dict, shrink: float) -> dict:
-    """The drafter's weights as served with loss.selector_shrink: the predecessor codebook times `shrink`, so the
+    """The drafter's weights as served with loss.selector.shrink: the predecessor codebook times `shrink`, so the
     pairwise term (linear in it) is the trained one times `shrink` in the published layout, which servers read
     unchanged. Training's own copy (the float32 weights a resume reads) keeps the trained codebook."""
     if shrink == 1.0 or PREDECESSOR_KEY not in state_dict:
@@ -212,7 +212,7 @@ def served_selector(drafter, shrink: float):
 
 
 class CodebookSpan:
-    """loss.selector_span=embedding: keeps the selector's codebooks in the span of the target's token vectors.
+    """loss.selector.span=embedding: keeps the selector's codebooks in the span of the target's token vectors.
 
     A free codebook row is a token's own: it learns that token's pairs in the training answers and nothing of the
     tokens like it. Here each codebook C [V, r] stays E A for some A [H, r], E [V, H] the target's embedding table
@@ -222,7 +222,7 @@ class CodebookSpan:
     Rows of E are read in chunks of `chunk_rows`, so no [V, H] float32 copy of a large table is made."""
 
     def __init__(self, selector, embedding: torch.Tensor, head: torch.Tensor | None, chunk_rows: int = 65536):
-        """head None: the successor's codebook stays free (loss.selector_span=predecessor)."""
+        """head None: the successor's codebook stays free (loss.selector.span=predecessor)."""
         self.chunk_rows = chunk_rows
         self.pairs = [(selector.predecessor_codebook, embedding)]
         if head is not None:

@@ -1,5 +1,5 @@
 """The held-out set: target completions of eval.prompts and their features, in a cache of their own, made by
-the same extraction API as the training data. Greedy completions; at eval.temperature > 0 completions sampled
+the same extraction API as the training data. Greedy completions; at eval.decode.temperature > 0 completions sampled
 at eval's temperature / top-p / top-k (live decoding writes sampled text there too), and the target's top-k
 next-token distribution at every position (eval.topk_logits) for the expected acceptance.
 
@@ -66,11 +66,12 @@ def heldout_key(job: JobConfig, target, prompts=None) -> dict:
 
 
 def sampling_key(cfg) -> dict:
-    """What a sampled held-out set adds to its key; nothing for a greedy one."""
-    if cfg.temperature <= 0:
+    """What a sampled held-out set adds to its key (cfg: the eval group); nothing for a greedy one."""
+    d = cfg.decode
+    if d.temperature <= 0:
         return {}
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "topk_logits": cfg.topk_logits,
-            **({"seed": cfg.seed} if cfg.seed else {})}
+    return {"temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k, "topk_logits": cfg.topk_logits,
+            **({"seed": d.seed} if d.seed else {})}
 
 
 def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
@@ -91,7 +92,7 @@ def is_ready(job: JobConfig, target, layer_ids: list[int]) -> bool:
 
 def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     """Make the held-out set if it is not complete: eval.prompts (at most eval.max_prompts), completions of
-    eval.max_new_tokens (greedy, or sampled at eval.temperature > 0 with the target's top-k distributions
+    eval.max_new_tokens (greedy, or sampled at eval.decode.temperature > 0 with the target's top-k distributions
     stored; eval.completions_batch_size prompts a batch, left-padded), untruncated, features of `layer_ids` stored in
     the target's dtype (storage auto: exact, as the target computes them, and as live decoding and training's cache
     see them; a bfloat16 target's set is half the bytes of float32). Needs the full target."""
@@ -103,12 +104,13 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     log.info("extracting the held-out set %s into %s", job.eval.prompts, features_dir)
     source = "cached" if job.eval.completions_path else (
         "server" if job.data.completions.source == "server" else "hf")
-    sampled = job.eval.temperature > 0
+    decode = job.eval.decode
+    sampled = decode.temperature > 0
     # truncated="keep": live decoding stops at the same budget, so a cut answer is what it decodes too
     completions = replace(job.data.completions, source=source, path=str(store), truncated="keep",
                           max_new_tokens=job.eval.max_new_tokens, batch_size=job.eval.completions_batch_size,
-                          temperature=job.eval.temperature, top_p=job.eval.top_p, top_k=job.eval.top_k,
-                          seed=job.eval.seed)
+                          temperature=decode.temperature, top_p=decode.top_p, top_k=decode.top_k,
+                          seed=decode.seed)
     parts = []
     for name, source in views(job.data):  # a mixture: each rendering of its sources (thinking on, off, ...)
         view = replace(source, name=name)

@@ -1,5 +1,5 @@
 """Live evaluation: real speculative decoding on the held-out prompts, timed side by side with plain decoding
-of the target. Greedy decoding (and sampling with eval.verifier=seeded) is checked against plain decoding
+of the target. Greedy decoding (and sampling with eval.decode.verifier=seeded) is checked against plain decoding
 token for token; sampling verified by rejection sampling writes other text than plain sampling with the same
 seed, so it is not compared token by token: its losslessness is a property of the output distribution,
 shown statistically by tests/drafter/decoding/test_lossless_sampling.py.
@@ -28,7 +28,7 @@ the plain one. Each speculative decoding's time is split (dflash.drafter.decodin
 `other_s` (acceptance, cache trimming, masks); `draft_ms_per_step` and `verify_ms_per_step` are per block, and
 `verify_over_plain` is a verification's time over one plain decoding step's (eval/live_plain_ms_per_token, the
 prompt's forward excluded): the price of verifying a block in plain steps. The serving prediction
-(dflash.evaluate.serving) is the cost model's for eval.serving_gpu, from the live tau alone, not a measurement."""
+(dflash.evaluate.serving) is the cost model's for eval.serving.gpu, from the live tau alone, not a measurement."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def ulp(dtype: torch.dtype, value: float) -> float:
 
 
 def tie_margin_at(dtype: torch.dtype, top: float) -> float:
-    """The margin below which a divergence counts as a numerical tie (eval.tie_margin null): a floor of 1e-3 for
+    """The margin below which a divergence counts as a numerical tie (eval.decode.tie_margin null): a floor of 1e-3 for
     float32 and 0.1 otherwise, or TIE_ULPS of the dtype's spacing at the top logit, whichever is larger. A bf16 logit
     of 20 is stored to 0.125 (7 mantissa bits): batched and one-token forwards that round it apart differ by that,
     however right the loop."""
@@ -85,7 +85,7 @@ def tie_margin_at(dtype: torch.dtype, top: float) -> float:
 def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[int], prompt_len: int,
                    tie_margin: float | None) -> bool:
     """True when equal; False for a divergence at a numerical near-tie (logged); raises otherwise. tie_margin:
-    eval.tie_margin where set; None judges by the target's dtype at the logit there (tie_margin_at)."""
+    eval.decode.tie_margin where set; None judges by the target's dtype at the logit there (tie_margin_at)."""
     if plain == spec:
         return True
     pos = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
@@ -100,7 +100,7 @@ def check_lossless(target: Target, prompt_id: str, plain: list[int], spec: list[
                     "and one-token forwards, not a verification bug", where, margin)
         return False
     raise LosslessError(f"{where}; the target's top-2 logit margin there is {margin:.3g}, above the {tie_margin:.3g} "
-                        f"that counts as a numerical tie (eval.tie_margin). The "
+                        f"that counts as a numerical tie (eval.decode.tie_margin). The "
                         f"decoding loop is not lossless: this is a bug, please report it")
 
 
@@ -137,18 +137,18 @@ def warm_up(drafter, target: Target, ids: torch.Tensor, tokens: int, verifiers: 
 def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
     """Per-step records and a summary of live decoding: the drafted chain and each DDTree budget, on every
     target (hybrid ones verify a tree as a batch of its paths, dflash.drafter.decoding.verify)."""
-    cfg, data = job.eval, job.data
+    cfg, dec, data = job.eval, job.eval.decode, job.data
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    compared = sampling.greedy or cfg.verifier == "seeded"  # token for token equal to plain decoding
-    knobs = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-    selector = {"selector_draw": cfg.selector_draw, "selector_truncation": cfg.selector_truncation}  # DFlash 2's draws
+    sampling = Sampling(dec.temperature, dec.top_p, dec.top_k)
+    compared = sampling.greedy or dec.verifier == "seeded"  # token for token equal to plain decoding
+    knobs = {"temperature": dec.temperature, "top_p": dec.top_p, "top_k": dec.top_k}
+    selector = {"selector_draw": dec.selector_draw, "selector_truncation": dec.selector_truncation}  # DFlash 2's draws
     # verifiers: the chain, each DDTree budget, and for DFlash 2 each budget's tree from the selector's pairwise scores
-    # and, with eval.selector_beam > 1, the chain a beam over them finds
+    # and, with eval.decode.selector_beam > 1, the chain a beam over them finds
     dflash2 = drafter.candidate_selector is not None
     budgets = [(None, "marginal"), *[(b, "marginal") for b in cfg.ddtree_budgets],
-               *([(None, "beam")] if dflash2 and cfg.selector_beam > 1 else []),
+               *([(None, "beam")] if dflash2 and dec.selector_beam > 1 else []),
                *[(b, "pairwise") for b in cfg.ddtree_budgets if dflash2]]
     fields = ("tokens", "forwards", "verifies", "verify_tokens", "time")
     # one clock per verifier, its parts summed over the requests (dflash.drafter.decoding.engine.Clock)
@@ -172,9 +172,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
              for view, how in rendered}
     turns = {(view.name, p.id): talks[view.name].turns(p) if cfg.turns == "all" else min(1, talks[view.name].turns(p))
              for view, _ in rendered for p in prompts}
-    if cfg.warmup_tokens and prompts:
+    if dec.warmup_tokens and prompts:
         warm_up(drafter, target, request(prompts[0], prompts[0].messages, data),
-                min(cfg.warmup_tokens, cfg.max_new_tokens), budgets, cfg.verifier, cfg.selector_beam, seed=cfg.seed,
+                min(dec.warmup_tokens, cfg.max_new_tokens), budgets, dec.verifier, dec.selector_beam, seed=dec.seed,
                 **knobs)
     progress = Progress(sum(turns.values()), "live eval", "requests")
     for (view, how), (n, prompt) in itertools.product(rendered, enumerate(prompts)):
@@ -188,7 +188,7 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             ids, first = request(prompt, messages, how), len(records)  # first: this request's first record
             requests, prompt_tokens = requests + 1, prompt_tokens + ids.shape[1]
             t0 = time.perf_counter()
-            seed = cfg.seed * 100_003 + n + 1_000_003 * turn
+            seed = dec.seed * 100_003 + n + 1_000_003 * turn
             plain = greedy_generate(target, ids, cfg.max_new_tokens, seed=seed, stop_token_ids=stops,
                                     stop_strings=strings, clock=plain_clock, **knobs)
             plain_time += time.perf_counter() - t0
@@ -197,13 +197,13 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
                 tot = totals[budget, tree]
                 t0 = time.perf_counter()
                 res = speculative_generate(drafter, target, ids, cfg.max_new_tokens, stop_token_ids=stops,
-                                           stop_strings=strings, seed=seed, verifier=cfg.verifier,
-                                           clock=tot["clock"], **verifier_args(budget, tree, cfg.selector_beam),
+                                           stop_strings=strings, seed=seed, verifier=dec.verifier,
+                                           clock=tot["clock"], **verifier_args(budget, tree, dec.selector_beam),
                                            **knobs, **selector)
                 tot["time"] += time.perf_counter() - t0
                 if compared:
                     ties += not check_lossless(target, rid, plain[0].tolist(), res.output_ids[0].tolist(),
-                                               ids.shape[1], cfg.tie_margin)
+                                               ids.shape[1], dec.tie_margin)
                 if budget is None and tree == "marginal":
                     new = res.output_ids[0, ids.shape[1]:].tolist()
                     answers.append(target.tokenizer.decode(new, skip_special_tokens=True))
@@ -266,13 +266,13 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
     chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
     metrics.update(slice_metrics(chain, slicers(job.data, job.eval), "eval/live"))
     answer = totals[None, "marginal"]["tokens"] / max(1, requests)  # the model's request: mean prompt, mean answer
-    served = serving_prediction(job.eval, drafter, target, metrics["eval/live_tau"],
+    served = serving_prediction(job.eval.serving, drafter, target, metrics["eval/live_tau"],
                                 prompt_tokens / max(1, requests) + answer / 2, answer) if requests else {}
     metrics.update(served.get("metrics", {}))
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),
                "block_size": drafter.block_size, "ddtree_budgets": list(cfg.ddtree_budgets), "mode": "live",
                "tree_verification": target.tree_verification(),
-               "sampling": {**knobs, **selector, "verifier": cfg.verifier, "seed": cfg.seed},
+               "sampling": {**knobs, **selector, "verifier": dec.verifier, "seed": dec.seed},
                "compared_with_plain": compared, "measured_on": measured_on(target.device),
                **({"serving": served["serving"]} if served else {})}
     return records, summary

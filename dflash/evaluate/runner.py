@@ -143,7 +143,7 @@ def run_target(job: JobConfig, run: RunLayout | None) -> JobConfig:
 
 def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     """evaluate.py: metrics of a checkpoint (and eval.compare drafters) on the held-out set, or on each
-    benchmark of eval.suite (`evaluate_suite`). target_from_run: evaluate against the target the checkpoint's
+    benchmark of eval.suite.name (`evaluate_suite`). target_from_run: evaluate against the target the checkpoint's
     run was trained with (`run_target`; evaluate.py sets it when its command line names no target)."""
     setup_logging()
     run = find_run(job.run, job.checkpoint)
@@ -169,9 +169,9 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     settings = figure_settings(job_config(job))
     extra = {"checkpoint": str(path), "step": step, "mode": job.eval.mode, "dtype": str(dtype).removeprefix("torch."),
              "settings": settings}
-    if job.eval.mode != "live" and job.eval.temperature > 0:  # live's summary records its own (with the verifier)
-        extra["sampling"] = {k: getattr(job.eval, k) for k in ("temperature", "top_p", "top_k", "selector_draw",
-                                                                 "selector_truncation", "seed")}
+    if job.eval.mode != "live" and job.eval.decode.temperature > 0:  # live's summary records its own (with verifier)
+        extra["sampling"] = {k: getattr(job.eval.decode, k) for k in ("temperature", "top_p", "top_k",
+                                                                        "selector_draw", "selector_truncation", "seed")}
     allowed = extra.setdefault("provenance_allowed", {})
     first = next(iter(drafters))
     base = (step_name(step) if step is not None else path.name) + ("-live" if job.eval.mode == "live" else "")
@@ -181,7 +181,7 @@ def evaluate(job: JobConfig, target_from_run: bool = False) -> dict:
     main_out, tag = evaluation_folder(layout.eval_dir(base).parent, base, settings, own)
     outs = {label: main_out if label == first else main_out / "compare" / folder_name(label) for label in drafters}
     logged = run is not None and step is not None and training_manifest(path) is not None
-    if job.eval.suite is not None:
+    if job.eval.suite.name is not None:
         return evaluate_suite(job, benches, drafters, target, dist, extra, outs, run, step, logged, tag)
     summaries = {}
     for label, (p, drafter) in drafters.items():
@@ -284,14 +284,14 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
 
 def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict, target, dist, extra: dict,
                    outs: dict[str, Path], run: RunLayout | None, step: int | None, logged: bool, tag: str = "") -> dict:
-    """Every drafter on every benchmark of eval.suite, each benchmark its own held-out set: per benchmark
+    """Every drafter on every benchmark of eval.suite.name, each benchmark its own held-out set: per benchmark
     <out>/<bench>/ (summary.json, blocks.jsonl, plots), and <out>/summary.json with eval/<bench>/*, the mean over
     benchmarks (eval/<suite>/*), every prompt's tau, the references beside them and the train/eval gap; logged
     to the training run's W&B run when `logged`, under eval/<tag>/ when tagged (other settings than the run's)."""
     first = next(iter(drafters))
     own = {label: {**extra, "label": label, "drafter": str(p)} for label, (p, _) in drafters.items()}
     for label in drafters:  # opens the folders: an earlier evaluation there is kept under a dated name
-        write_outputs(outs[label], [], {"suite": job.eval.suite, "complete": False}, own[label])
+        write_outputs(outs[label], [], {"suite": job.eval.suite.name, "complete": False}, own[label])
     per: dict[str, dict[str, dict]] = {label: {} for label in drafters}
     for bench, bjob in benches.items():
         log.info("benchmark %s: %s", bench, bjob.eval.prompts)
@@ -306,10 +306,10 @@ def evaluate_suite(job: JobConfig, benches: dict[str, JobConfig], drafters: dict
             save_plots(outs[first] / bench, {label: per[label][bench] for label in drafters})
     block_size = drafters[first][1].block_size
     refs = [{**r, "differs": suite_results.setting_differences(r, job, block_size)}
-            for r in suite_results.load_references(job.eval.references)]
+            for r in suite_results.load_references(job.eval.suite.references)]
     results = {}
     for label in drafters:
-        result = suite_results.combine(job.eval.suite, per[label], job.eval.protocol)
+        result = suite_results.combine(job.eval.suite.name, per[label], job.eval.suite.protocol)
         result["references"] = reference_rows(refs, result["benchmarks"])
         if label == first and step is not None and job.eval.mode != "live":
             result["metrics"].update(train_gap(run, step, mean_metrics(result)))

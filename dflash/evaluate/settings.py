@@ -31,30 +31,32 @@ from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash.config import DataConfig, EvalConfig, TargetConfig
+from dflash.config import DataConfig, EvalConfig, TargetConfig, migrate_settings
 
 log = logging.getLogger(__name__)
 
-SAMPLING = ("eval.temperature", "eval.top_p", "eval.top_k", "eval.selector_draw", "eval.selector_truncation")
+SAMPLING = ("eval.decode.temperature", "eval.decode.top_p", "eval.decode.top_k", "eval.decode.selector_draw",
+            "eval.decode.selector_truncation")
 """The keys of the draft and target distributions at temperature > 0: together one word, the sampling tag."""
 IDENTITY = ("target.name", "target.path", "target.revision", "target.build", "target.num_layers")
 """Which target: one word."""
-SUITE = ("eval.suite", "eval.benchmarks_dir", "eval.protocol", "eval.thinking")
+SUITE = ("eval.suite.name", "eval.suite.benchmarks_dir", "eval.suite.protocol", "eval.suite.thinking")
 """A suite's: only with eval.suite."""
 OWN_PROMPTS = ("eval.prompts", "eval.completions_path", "eval.turns")
 """The single held-out set's: a suite's benchmarks bring their own prompts and turns."""
 SCORING = ("eval.anchor_region", "eval.anchor_stride", "eval.max_blocks")
 """Teacher-forced only: which blocks are scored."""
-LIVE = ("eval.tie_margin", "eval.warmup_tokens", "eval.serving_gpu", "eval.serving_concurrency")
-"""Live decoding only (eval.verifier too, at temperature > 0)."""
-SAMPLED = ("eval.top_p", "eval.top_k", "eval.selector_draw", "eval.selector_truncation", "eval.seed")
+LIVE = ("eval.decode.tie_margin", "eval.decode.warmup_tokens", "eval.serving.gpu", "eval.serving.concurrency")
+"""Live decoding only (eval.decode.verifier too, at temperature > 0)."""
+SAMPLED = ("eval.decode.top_p", "eval.decode.top_k", "eval.decode.selector_draw", "eval.decode.selector_truncation",
+           "eval.decode.seed")
 """Read at temperature > 0 only (eval.topk_logits too, teacher-forced)."""
 COMMON = ("eval.max_prompts", "eval.max_new_tokens", "eval.completions_batch_size", "eval.ddtree_budgets",
-          "eval.slices", "eval.selector_beam", "eval.temperature", "eval.dtype", "target.dtype",
+          "eval.slices", "eval.decode.selector_beam", "eval.decode.temperature", "eval.dtype", "target.dtype",
           "data.chat_template", "data.enable_thinking", "data.chat_template_kwargs", "data.completions.stop",
           "data.tools.keep_results", "data.sources")
 """Read by every evaluation."""
-KEYS = (*IDENTITY, *SUITE, *OWN_PROMPTS, *SCORING, *LIVE, *SAMPLED, *COMMON, "eval.verifier", "eval.topk_logits",
+KEYS = (*IDENTITY, *SUITE, *OWN_PROMPTS, *SCORING, *LIVE, *SAMPLED, *COMMON, "eval.decode.verifier", "eval.topk_logits",
         "eval.mode")
 
 
@@ -70,20 +72,24 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:6]
 
 
+def _auto(value) -> str:
+    return "-auto" if value is None else str(value)
+
+
 def _join(values, empty: str) -> str:
     return "-".join(map(str, values)) or empty
 
 
 WORDS = {  # one word per setting (or group), in the order they appear in a tag
-    SAMPLING: lambda s: sampling_tag(SimpleNamespace(**{k.removeprefix("eval."): s.get(k, _default(k))
+    SAMPLING: lambda s: sampling_tag(SimpleNamespace(**{k.removeprefix("eval.decode."): s.get(k, _default(k))
                                                          for k in SAMPLING})) or "t0",
-    ("eval.seed",): lambda s: f"seed{s['eval.seed']}",
+    ("eval.decode.seed",): lambda s: f"seed{s['eval.decode.seed']}",
     ("eval.topk_logits",): lambda s: f"topk{s['eval.topk_logits']}",
-    ("eval.verifier",): lambda s: f"verify-{s['eval.verifier']}",
-    ("eval.suite",): lambda s: f"suite-{s['eval.suite']}",
-    ("eval.benchmarks_dir",): lambda s: f"from-{_stem(s['eval.benchmarks_dir'])}",
-    ("eval.protocol",): lambda s: f"protocol-{s['eval.protocol']}",
-    ("eval.thinking",): lambda s: f"reasoning-{_switch(s['eval.thinking'])}",
+    ("eval.decode.verifier",): lambda s: f"verify-{s['eval.decode.verifier']}",
+    ("eval.suite.name",): lambda s: f"suite-{s['eval.suite.name']}",
+    ("eval.suite.benchmarks_dir",): lambda s: f"from-{_stem(s['eval.suite.benchmarks_dir'])}",
+    ("eval.suite.protocol",): lambda s: f"protocol-{s['eval.suite.protocol']}",
+    ("eval.suite.thinking",): lambda s: f"reasoning-{_switch(s['eval.suite.thinking'])}",
     ("eval.prompts",): lambda s: f"prompts-{_stem(s['eval.prompts'])}",
     ("eval.completions_path",): lambda s: f"completions-{_stem(s['eval.completions_path'] or 'generated')}",
     ("eval.turns",): lambda s: f"turns-{s['eval.turns']}",
@@ -95,12 +101,12 @@ WORDS = {  # one word per setting (or group), in the order they appear in a tag
     ("eval.max_blocks",): lambda s: f"{s['eval.max_blocks'] or 'all'}blocks",
     ("eval.ddtree_budgets",): lambda s: f"ddtree-{_join(s['eval.ddtree_budgets'], 'none')}",
     ("eval.slices",): lambda s: f"slices-{_join(s['eval.slices'], 'none')}",
-    ("eval.selector_beam",): lambda s: f"beam{s['eval.selector_beam']}",
+    ("eval.decode.selector_beam",): lambda s: f"beam{s['eval.decode.selector_beam']}",
     ("eval.dtype",): lambda s: s["eval.dtype"],
-    ("eval.tie_margin",): lambda s: f"ties{s['eval.tie_margin'] if s['eval.tie_margin'] is not None else '-auto'}",
-    ("eval.warmup_tokens",): lambda s: f"warmup{s['eval.warmup_tokens']}",
-    ("eval.serving_gpu",): lambda s: f"serving-{s['eval.serving_gpu']}",
-    ("eval.serving_concurrency",): lambda s: f"at-{_join(s['eval.serving_concurrency'], 'none')}",
+    ("eval.decode.tie_margin",): lambda s: f"ties{_auto(s['eval.decode.tie_margin'])}",
+    ("eval.decode.warmup_tokens",): lambda s: f"warmup{s['eval.decode.warmup_tokens']}",
+    ("eval.serving.gpu",): lambda s: f"serving-{s['eval.serving.gpu']}",
+    ("eval.serving.concurrency",): lambda s: f"at-{_join(s['eval.serving.concurrency'], 'none')}",
     ("target.name",): lambda s: f"target-{s['target.name']}",
     IDENTITY[1:]: lambda s: f"target-{_digest([s.get(k) for k in IDENTITY])}",
     ("target.dtype",): lambda s: f"target-{s['target.dtype']}",
@@ -125,17 +131,19 @@ def figure_settings(cfg: dict, in_run: bool = False) -> dict:
     """{config key: value} of every setting an evaluation's figures depend on, from a config's groups as plain nested
     dicts (job_config, or a run's config.yaml; a key that file does not have takes the schema's default, what the
     dflash that wrote it did). eval.dtype resolved (auto: the target's). in_run: the evaluation training runs, on
-    eval.prompts teacher-forced whatever eval.mode and eval.suite say. JSON-plain, as summary.json gives it back."""
+    eval.prompts teacher-forced whatever eval.mode and eval.suite.name say. JSON-plain, as summary.json gives it
+    back."""
     every = {key: _read(cfg, key) for key in KEYS}
     if in_run:
-        every.update({"eval.mode": "teacher_forced", "eval.suite": None})
+        every.update({"eval.mode": "teacher_forced", "eval.suite.name": None})
     if every["eval.dtype"] == "auto":
         every["eval.dtype"] = every["target.dtype"]
     if every["target.build"]:  # a built target's path is where its weights were built ($DFLASH_HOME), not which
         every["target.path"] = None
-    live, suite, sampled = every["eval.mode"] == "live", every["eval.suite"] is not None, every["eval.temperature"] > 0
+    live, suite = every["eval.mode"] == "live", every["eval.suite.name"] is not None
+    sampled = every["eval.decode.temperature"] > 0
     keep = {"eval.mode", *IDENTITY, *COMMON, *(SUITE if suite else OWN_PROMPTS), *(LIVE if live else SCORING),
-            *(SAMPLED if sampled else ()), *(["eval.verifier"] if live and sampled else ()),
+            *(SAMPLED if sampled else ()), *(["eval.decode.verifier"] if live and sampled else ()),
             *(["eval.topk_logits"] if sampled and not live else ())}
     return json.loads(json.dumps({k: v for k, v in every.items() if k in keep}, default=str))
 
@@ -164,8 +172,8 @@ def sampling_tag(cfg) -> str:
     """'' at temperature 0; else t<T>[-p<top_p>][-k<top_k>][-sel][-vocabulary|-unary]: the sampling settings' word of
     a tag (eval/step-000768-t1/, eval/t1/tau_expected, eval/t1/live_tau), so a greedy and a sampled evaluation of one
     checkpoint never share a curve or the run's best eval/tau. `-sel`: top-p / top-k applied to DFlash 2's draw too
-    (eval.selector_truncation); `-vocabulary`, `-unary`: DFlash 2 drawing over another set (eval.selector_draw);
-    each another draft distribution."""
+    (eval.decode.selector_truncation); `-vocabulary`, `-unary`: DFlash 2 drawing over another set
+    (eval.decode.selector_draw); each another draft distribution. cfg: eval.decode (DecodeConfig)."""
     if cfg.temperature <= 0:
         return ""
     truncated = cfg.top_p < 1 or cfg.top_k
@@ -180,7 +188,7 @@ def recorded(folder: Path) -> dict | None:
     summary = folder / "summary.json"
     if not summary.is_file():
         return {}
-    return json.loads(summary.read_text()).get("settings")
+    return migrate_settings(json.loads(summary.read_text()).get("settings"))  # keys that moved: their new names
 
 
 def evaluation_folder(eval_root: Path, base: str, settings: dict, reference: dict | None) -> tuple[Path, str]:
@@ -194,7 +202,7 @@ def evaluation_folder(eval_root: Path, base: str, settings: dict, reference: dic
     if reference is None:  # greedy, as evaluations are by default: a sampled one is tagged (t1) from the first
         first, what = recorded(eval_root / base) or settings, f"the first evaluation's, in {eval_root / base}"
         reference = {**reference_settings({}), **{k: v for k, v in first.items() if k not in SAMPLED},
-                     "eval.temperature": 0.0}
+                     "eval.decode.temperature": 0.0}
     tag = settings_tag(settings, reference)
     name = f"{base}-{tag}" if tag else base
     n = 1
@@ -204,7 +212,7 @@ def evaluation_folder(eval_root: Path, base: str, settings: dict, reference: dic
         if not folder.exists() or there == {} or there == settings:
             break
         n += 1
-    namespace = tag if settings.get("eval.suite") is None else settings_tag(settings, reference, SAMPLING)
+    namespace = tag if settings.get("eval.suite.name") is None else settings_tag(settings, reference, SAMPLING)
     if tag:  # said, since the run's curve will not show these figures
         log.info("settings other than %s (%s): results in %s%s", what, differences(settings, reference), folder,
                  f", metrics as eval/{namespace}/*" if namespace else "")

@@ -62,7 +62,7 @@ REFERENCES = Path(__file__).resolve().parents[2] / "conf" / "references"
 
 
 def load_references(spec: str | None) -> list[dict]:
-    """Published figures to show beside ours: eval.references, a YAML file or the name of one shipped in
+    """Published figures to show beside ours: eval.suite.references, a YAML file or the name of one shipped in
     conf/references/. Each entry: name, source (paper table or model card), protocol (a name in PROTOCOLS: how
     the figures were sampled, prompted and averaged), target, thinking, block_size, temperature (with top_p, top_k
     and verifier when sampled), and `tau` per benchmark name ({gsm8k: 6.5, ...}); settings not given are not
@@ -74,7 +74,8 @@ def load_references(spec: str | None) -> list[dict]:
         path = REFERENCES / f"{spec}.yaml"
     if not path.is_file():
         shipped = sorted(p.stem for p in REFERENCES.glob("*.yaml"))
-        raise NotFoundError(f"eval.references={spec}: no such file; give a YAML path or one of {', '.join(shipped)}")
+        raise NotFoundError(f"eval.suite.references={spec}: no such file; give a YAML path or one of "
+                            f"{', '.join(shipped)}")
     import yaml
 
     data = yaml.safe_load(path.read_text()) or {}
@@ -94,30 +95,30 @@ def load_references(spec: str | None) -> list[dict]:
 
 def setting_differences(ref: dict, job: JobConfig, block_size: int) -> list[str]:
     """The settings where a reference was measured differently from this evaluation (protocol, target, thinking
-    as eval.protocol prompts with it, block size, temperature, and at temperature > 0 top-p, top-k and the
+    as eval.suite.protocol prompts with it, block size, temperature, and at temperature > 0 top-p, top-k and the
     verifier: rejection, seeded or a reference's exact_match of greedy drafts), each as 'what theirs (ours ...)';
     settings the reference leaves out are not compared. Thinking left to the chat template's default (on for
     Qwen3 targets) is never taken to agree: the template is not read here."""
-    out = []
-    if ref.get("protocol") is not None and ref["protocol"] != job.eval.protocol:
-        out.append(f"protocol {ref['protocol']} (ours {job.eval.protocol})")
+    out, dec, suite = [], job.eval.decode, job.eval.suite
+    if ref.get("protocol") is not None and ref["protocol"] != suite.protocol:
+        out.append(f"protocol {ref['protocol']} (ours {suite.protocol})")
     target = ref.get("target")
     ours = {job.target.name.lower(), job.target.path.lower(), Path(job.target.path).name.lower()}
     if target is not None and str(target).lower() not in ours and Path(str(target)).name.lower() not in ours:
         out.append(f"target {target} (ours {job.target.path})")
-    thinking = protocol_thinking(job.data, job.eval)
+    thinking = protocol_thinking(job.data, suite)
     if ref.get("thinking") is not None and (thinking is None or bool(ref["thinking"]) != thinking):
         said = "the chat template's default" if thinking is None else "on" if thinking else "off"
         out.append(f"thinking {'on' if ref['thinking'] else 'off'} (ours {said})")
     if ref.get("block_size") is not None and int(ref["block_size"]) != block_size:
         out.append(f"block size {ref['block_size']} (ours {block_size})")
-    if ref.get("temperature") is not None and float(ref["temperature"]) != job.eval.temperature:
-        out.append(f"temperature {ref['temperature']} (ours {job.eval.temperature})")
-    if job.eval.temperature > 0 and float(ref.get("temperature") or 0) > 0:
-        if ref.get("top_p") is not None and float(ref["top_p"]) != job.eval.top_p:
-            out.append(f"top-p {ref['top_p']} (ours {job.eval.top_p})")
-        if ref.get("top_k") is not None and int(ref["top_k"]) != job.eval.top_k:
-            out.append(f"top-k {ref['top_k']} (ours {job.eval.top_k})")
-        if ref.get("verifier") is not None and ref["verifier"] != job.eval.verifier:
-            out.append(f"verifier {ref['verifier']} (ours {job.eval.verifier})")
+    if ref.get("temperature") is not None and float(ref["temperature"]) != dec.temperature:
+        out.append(f"temperature {ref['temperature']} (ours {dec.temperature})")
+    if dec.temperature > 0 and float(ref.get("temperature") or 0) > 0:
+        if ref.get("top_p") is not None and float(ref["top_p"]) != dec.top_p:
+            out.append(f"top-p {ref['top_p']} (ours {dec.top_p})")
+        if ref.get("top_k") is not None and int(ref["top_k"]) != dec.top_k:
+            out.append(f"top-k {ref['top_k']} (ours {dec.top_k})")
+        if ref.get("verifier") is not None and ref["verifier"] != dec.verifier:
+            out.append(f"verifier {ref['verifier']} (ours {dec.verifier})")
     return out

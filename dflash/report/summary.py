@@ -82,7 +82,7 @@ def print_summary(summaries: dict[str, dict], mode: str = "teacher_forced", out=
     # DFlash 2 (any drafter with the selector's numbers): its unary and oracle taus and pairwise trees beside
     dflash2 = any("eval/tau_unary" in s["metrics"] or "eval/live_ddtree_pair@" in " ".join(s["metrics"])
                   for s in summaries.values())
-    # sampled (eval.temperature > 0): the expected acceptance teacher-forced, the standard errors over prompts
+    # sampled (eval.decode.temperature > 0): the expected acceptance teacher-forced, the standard errors over prompts
     sampled = any("eval/tau_expected" in s["metrics"] for s in summaries.values())
     if mode == "live":
         header = ["drafter", "verify", "tau", "tau_se", "tok/forward", "tok/verify", "cost/verify", "speedup",
@@ -173,7 +173,7 @@ def print_serving(label: str, serving: dict | None, out=None) -> None:
     (out or sys.stdout).write(
         f"{label}: predicted for one {serving['gpu']} by the serving cost model (not measured): {ratios} (a "
         f"roofline model fed the live tau {serving['tau']:.3f} alone, {serving['context']} tokens of context, "
-        f"{serving['output_tokens']:.0f} output tokens a request: eval.serving_gpu, eval.serving_concurrency)\n")
+        f"{serving['output_tokens']:.0f} output tokens a request: eval.serving.gpu, eval.serving.concurrency)\n")
 
 
 def print_slices(summaries: dict[str, dict], out=None) -> None:

@@ -46,7 +46,7 @@ def save_checkpoint(run: RunLayout, step: int, drafter, state_dict: dict, state:
     part of train_state/ through `save_state(folder)` (accelerate's save_state: optimizer and scheduler from the
     main process, each process's RNG; under FSDP gathering the shards, a collective), then the main process
     writes the drafter (servable weights cast to `save_dtype`), the float32 weights, `state` and `manifest`
-    (which only it needs to hold), fsyncs and renames. `selector_shrink` (DFlash 2, loss.selector_shrink): the
+    (which only it needs to hold), fsyncs and renames. `selector_shrink` (DFlash 2, loss.selector.shrink): the
     servable predecessor codebook is the float32 one times it, and config.json records it (save_drafter). The
     other processes return before the rename. With several nodes the run folder must be one filesystem they share
     (each process writes its own RNG file)."""

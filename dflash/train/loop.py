@@ -71,7 +71,7 @@ class Model:
     conv_kernel: str = "torch"
     """What DFlash 2's convolutions run through (train.conv_kernel resolved: torch or triton)."""
     after_step: object = None
-    """Called after every optimizer step: the selector's CodebookSpan (loss.selector_span not free), or None."""
+    """Called after every optimizer step: the selector's CodebookSpan (loss.selector.span not free), or None."""
 
 
 def train(job: JobConfig) -> Path:
@@ -83,9 +83,9 @@ def train(job: JobConfig) -> Path:
     backend = attention_backend(job.train, acc.device)  # before any work: flex cannot train on a CPU
     check_conv_kernel(job.drafter, job.train.conv_kernel, acc.device)  # nor DFlash 2's Triton convolution
     check_optimizer(job.optim, fsdp=is_fsdp(acc))
-    if job.drafter.kind == "dflash2" and job.loss.selector_span != "free" and is_fsdp(acc):
-        raise ConfigError(f"loss.selector_span={job.loss.selector_span} projects whole codebooks after each step, "
-                          f"which FSDP shards: train with DDP (train.distributed=ddp) or loss.selector_span=free")
+    if job.drafter.kind == "dflash2" and job.loss.selector.span != "free" and is_fsdp(acc):
+        raise ConfigError(f"loss.selector.span={job.loss.selector.span} projects whole codebooks after each step, "
+                          f"which FSDP shards: train with DDP (train.distributed=ddp) or loss.selector.span=free")
     dist = current()  # the Accelerator's processes, with the store that long waits go through
     setup_logging(main=acc.is_main_process)
     run = open_run(job, acc)
@@ -122,7 +122,7 @@ def train(job: JobConfig) -> Path:
     random.seed(job.train.seed)
     # resumed: the float32 weights (read with the training state), not the servable copy (bf16, its selector shrunk)
     drafter = load_trained(str(resume_from), resumed["weights"]) if resume_from else build_drafter(
-        job.drafter, job.layers, target, successor_init=job.loss.selector_init)
+        job.drafter, job.layers, target, successor_init=job.loss.selector.init)
     if drafter.target_layer_ids != layer_ids:
         raise ConfigError(f"the drafter reads layers {drafter.target_layer_ids} but the config gives {layer_ids}")
     schedule = Schedule(len(source), job.train.batch_size, acc.num_processes, job.train.grad_accum, job.train.seed,
@@ -130,16 +130,16 @@ def train(job: JobConfig) -> Path:
     total = job.train.max_steps or job.train.epochs * schedule.steps_per_epoch
     state = TrainState(total_steps=total)
     m = prepare_model(job, acc, drafter, total, resumed, state, checkpointing)
-    if drafter.kind == "dflash2" and job.loss.selector_span != "free":
+    if drafter.kind == "dflash2" and job.loss.selector.span != "free":
         m.after_step = CodebookSpan(drafter.candidate_selector, target.embed_tokens.weight,
-                                    target.lm_head.weight if job.loss.selector_span == "embedding" else None)
+                                    target.lm_head.weight if job.loss.selector.span == "embedding" else None)
     if drafter.kind == "dflash2" and acc.is_main_process:  # which convolution this process trained with
         record_run(run, conv_kernel=m.conv_kernel)
 
     gamma = job.loss.gamma_for(drafter.block_size)
     data = MicroBatches(source, schedule, acc.process_index, state.step, total, job.train.num_anchors,
                         drafter.block_size, drafter.mask_token_id, gamma,
-                        topk=job.loss.soft_labels or job.loss.selector_labels == "target")
+                        topk=job.loss.soft_labels or job.loss.selector.labels == "target")
     # pinned (Batch.pin_memory) on CUDA, so train_step's non_blocking copies do not wait for the device
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=job.train.num_workers,
                                                pin_memory=acc.device.type == "cuda"))
@@ -228,7 +228,7 @@ def prepare_model(job: JobConfig, acc, drafter, total: int, resumed: dict | None
     DFlash 2's convolution kernel, accelerate wrappers; when resuming, the optimizer, schedule and every process's RNG
     come back through accelerate's load_state (after prepare: under FSDP the optimizer state is loaded into the
     shards)."""
-    optimizer = build_optimizer(drafter, job.optim, codebook_decay=job.loss.selector_decay)
+    optimizer = build_optimizer(drafter, job.optim, codebook_decay=job.loss.selector.decay)
     scheduler = build_scheduler(optimizer, total, job.optim)
     format1 = bool(resumed) and ckpt.train_state_format(resumed["state"]) == 1
     if format1:  # the main process's state, as written before save_state: the same on every DDP process
@@ -293,7 +293,7 @@ def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout,
     drafter = full_drafter(acc, m)
     summary = None
     if acc.is_main_process and heldout_set is not None:
-        with served_selector(drafter, job.loss.selector_shrink):  # the drafter as its checkpoint will serve it
+        with served_selector(drafter, job.loss.selector.shrink):  # the drafter as its checkpoint will serve it
             summary = evaluate_in_run(job, drafter, target, heldout_set, run, step, logger, backend)
     del drafter
     current().wait_long("eval")  # the others wait for as long as the held-out set takes, not a collective's timeout
@@ -319,7 +319,7 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
     weights = {k: v.cpu() for k, v in weights.items()} if acc.is_main_process else {}
     path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, job.train.save_dtype,
                                 save_state=lambda folder: acc.save_state(str(folder)), dist=dist,
-                                selector_shrink=job.loss.selector_shrink)
+                                selector_shrink=job.loss.selector.shrink)
     if acc.is_main_process:
         best = tau is not None and tau == state.best_tau
         if best:

@@ -53,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
     """AdamW (norms, biases and convolution taps get no weight decay, `decays`), or with optim.name=muon
     torch.optim.Muon on the hidden matrices (`is_muon_param`) and AdamW on the rest, as one optimizer
     (`MuonAdamW`). codebook_decay: DFlash 2's selector codebooks in a third AdamW group with this weight decay
-    (loss.selector_decay); None = in the decayed group, as any matrix (and no third group: older optimizer
+    (loss.selector.decay); None = in the decayed group, as any matrix (and no third group: older optimizer
     states still load)."""
     decay, no_decay, codebooks, muon = [], [], [], []
     for name, p in model.named_parameters():

@@ -79,12 +79,12 @@ def soft_targets(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.
 
 
 def target_argmax(batch: Batch, logits: torch.Tensor | None, blocks, rows: torch.Tensor, dev) -> torch.Tensor:
-    """[N] the target's argmax at the labelled rows, the selector's gold tokens with loss.selector_labels=target:
+    """[N] the target's argmax at the labelled rows, the selector's gold tokens with loss.selector.labels=target:
     from its logits (online), or the first of the cache's stored top-k ids (offline; sorted, the argmax first)."""
     if logits is not None:
         return label_logits(logits.argmax(-1), blocks.anchors, rows, blocks.block_size)
     if batch.topk is None:
-        raise ConfigError("loss.selector_labels=target needs the target's argmax, and this micro-batch has none: "
+        raise ConfigError("loss.selector.labels=target needs the target's argmax, and this micro-batch has none: "
                           "train with train.mode=online, or extract into a new features.dir with "
                           "features.topk_logits=1 (or more)")
     return label_logits(to_device(batch.topk.ids[..., 0], dev), blocks.anchors, rows, blocks.block_size)
@@ -124,26 +124,25 @@ def train_step(job, acc, m, target, micro: list[Batch], state, gamma: float, bac
     """One optimizer step over `micro` (grad_accum micro-batches of loop.Model `m`); its sums go into
     state.window, as device tensors. Host syncs and collectives: see this module's docstring."""
     dev = acc.device
-    cfg = job.loss
+    cfg, sc = job.loss, job.loss.selector
     dpace_by_weights = cfg.weighting == "dpace" and cfg.normalizer == "weights"  # normaliser known after forwards
     by_anchor = cfg.normalizer == "anchor" or dpace_by_weights
     total_w = global_weight(acc, micro, valid_anchors if by_anchor else (lambda b: b.weight_sum))
-    selector = m.drafter.candidate_selector if cfg.selector_weight > 0 else None
+    selector = m.drafter.candidate_selector if sc.weight > 0 else None
     sel = {}
     if selector is not None:  # DFlash 2: the selector's CE, the mean over its slot weights, at the scheduled weight
-        sel = {"selector": selector, "selector_options": SelectorOptions(
-            cfg.selector_gradient, cfg.selector_gold, cfg.selector_dropout, cfg.selector_weights, cfg.selector_shrink)}
-        weight_now = schedule_weight(state.step, state.total_steps, cfg.selector_weight, cfg.selector_warmup_ratio,
-                                     cfg.selector_ramp_ratio)
+        sel = {"selector": selector,
+               "selector_options": SelectorOptions(sc.gradient, sc.gold, sc.dropout, sc.weights, sc.shrink)}
+        weight_now = schedule_weight(state.step, state.total_steps, sc.weight, sc.warmup_ratio, sc.ramp_ratio)
         # decay weights, every row counted: the normaliser is the step's, known on the host before the forwards
         # (exact under accumulation and DDP; one more collective only when the per-slot loss has another one);
         # D-PACE weights or gold=strict: known after each forward only, so each micro-batch's own mean, averaged
-        whole_step = cfg.selector_gold == "inject" and (cfg.selector_weights == "decay" or cfg.weighting == "decay")
+        whole_step = sc.gold == "inject" and (sc.weights == "decay" or cfg.weighting == "decay")
         if whole_step:
             decay_w = total_w if not by_anchor and cfg.weighting == "decay" else global_weight(acc, micro)
             selector_scale = weight_now * acc.num_processes / decay_w.clamp_min(1e-12)
     soft, dyn_weights = cfg.soft_labels, []
-    target_labels = selector is not None and cfg.selector_labels == "target"
+    target_labels = selector is not None and sc.labels == "target"
     options = {} if cfg.objective == "decay_ce" else {"weighting": cfg.weighting, "alpha": cfg.alpha}
     if soft:  # expected_tau's weight_sum is its blocks with a label: loss.normalize=anchor's normaliser
         options.update(objective=cfg.objective, temperature=cfg.temperature)

@@ -340,7 +340,7 @@ def zero_init_drafter(target, successor_init="zero"):
 
 @pytest.mark.parametrize("init", ["zero", "normal"])
 def test_a_zero_initialised_successor_codebook_drafts_the_unary_argmax_chain(tiny_targets, init):
-    """loss.selector_init=zero: the pairwise term is 0, so the selector's path is the argmax path, teacher-forced
+    """loss.selector.init=zero: the pairwise term is 0, so the selector's path is the argmax path, teacher-forced
     (every record's draft equals its unary tokens) and live (speculative_generate drafts, accepts and outputs what
     the same drafter without its selector does); a normal init at a scale that matters does not."""
     import copy

@@ -263,7 +263,7 @@ def test_the_weight_schedule_waits_then_ramps_linearly():
 
 @pytest.mark.parametrize("successor", [True, False])
 def test_the_codebook_span_keeps_the_codebooks_in_the_span_of_the_targets_token_vectors(successor):
-    """loss.selector_span: after the projection each codebook is E A for E's least-squares A (E the embeddings for
+    """loss.selector.span: after the projection each codebook is E A for E's least-squares A (E the embeddings for
     the predecessor's, the head's rows for the successor's; predecessor alone leaves the successor's as it was);
     projecting again changes nothing, and rows read in chunks give what one pass gives."""
     from dflash.drafter.selector_loss import CodebookSpan
@@ -288,7 +288,7 @@ def test_the_codebook_span_keeps_the_codebooks_in_the_span_of_the_targets_token_
 
 
 def test_shrink_scores_the_served_choice_and_leaves_the_loss_as_trained():
-    """loss.selector_shrink s: the loss (and its gradient) is the one at weight 1; the choice the metrics score is the
+    """loss.selector.shrink s: the loss (and its gradient) is the one at weight 1; the choice the metrics score is the
     best of unary + s x pairwise over the top-K (s = 0: the unary argmax), as the served drafter (its predecessor
     codebook times s) chooses; served_weights scales that codebook alone, served_selector restores it exactly."""
     from dflash.drafter.selector_loss import served_selector, served_weights

@@ -70,7 +70,7 @@ class _Clock:
 def test_the_first_forwards_cold_start_is_not_timed(tiny_targets, monkeypatch):
     """The first forward of a process pays the kernels' compiles and autotuning (fla's: 45 s on an H200 for a
     hybrid target); simulated here as 100 s on a clock that otherwise stands still. With the warm-up (the default)
-    no timed decoding counts it and the taus are those of a run without it; eval.warmup_tokens=0 times it as the
+    no timed decoding counts it and the taus are those of a run without it; eval.decode.warmup_tokens=0 times it as the
     plain decoding's (that decoding runs first), which made live speedups of a short evaluation meaningless."""
     import dflash.evaluate.live as live
 
@@ -91,7 +91,7 @@ def test_the_first_forwards_cold_start_is_not_timed(tiny_targets, monkeypatch):
         hook = target.layers[0].register_forward_pre_hook(first_forward)
         try:
             job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3_5", "eval=live", "eval.ddtree_budgets=[4]",
-                                       "eval.max_new_tokens=12", f"eval.warmup_tokens={warmup}"])
+                                       "eval.max_new_tokens=12", f"eval.decode.warmup_tokens={warmup}"])
             results[warmup] = live_eval(job, drafter, target)[1]["metrics"]
         finally:
             hook.remove()
@@ -126,7 +126,7 @@ def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_ta
     hooks = [target.layers[0].register_forward_pre_hook(costs(10.0)), drafter.register_forward_pre_hook(costs(1.0))]
     try:
         job = compose("evaluate", ["debug=tiny", f"target={target_name}", "eval=live", "eval.ddtree_budgets=[4]",
-                                   "eval.max_new_tokens=12", "eval.warmup_tokens=0"])
+                                   "eval.max_new_tokens=12", "eval.decode.warmup_tokens=0"])
         records, summary = live_eval(job, drafter, target)
     finally:
         for hook in hooks:
@@ -148,7 +148,7 @@ def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_ta
 def test_a_divergence_one_bf16_rounding_apart_is_a_tie_and_a_wide_one_a_bug(monkeypatch):
     """Live SmolLM2 in bf16 stopped as 'a bug' at a top-2 margin of 0.125 with a top logit near 20: one unit in
     bf16's last place there. A tie is judged by the dtype's spacing at the top logit (4 units), never below the
-    floor, and eval.tie_margin still sets it outright."""
+    floor, and eval.decode.tie_margin still sets it outright."""
     from types import SimpleNamespace
 
     from dflash.errors import LosslessError
@@ -166,7 +166,7 @@ def test_a_divergence_one_bf16_rounding_apart_is_a_tie_and_a_wide_one_a_bug(monk
     assert live.check_lossless(bf16, "p", plain, spec, 1, None) is False  # a tie, logged
     assert live.check_lossless(bf16, "p", plain, plain, 1, None) is True
     with pytest.raises(LosslessError, match="0.05 that counts as a numerical tie"):
-        live.check_lossless(bf16, "p", plain, spec, 1, 0.05)  # eval.tie_margin=0.05 set by hand
+        live.check_lossless(bf16, "p", plain, spec, 1, 0.05)  # eval.decode.tie_margin=0.05 set by hand
     at(0.6, 20.0)  # 4.8 units of 0.125
     with pytest.raises(LosslessError, match="far from|above the 0.5 "):
         live.check_lossless(bf16, "p", plain, spec, 1, None)

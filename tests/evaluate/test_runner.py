@@ -433,7 +433,7 @@ def test_eval_dtype_is_the_targets_unless_asked_and_is_recorded(trained):
 
 
 def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained, tmp_path, capsys, fake_wandb):
-    """eval.suite on small files of every format (jsonl, parquet, a datasets folder): per-benchmark rows and
+    """eval.suite.name on small files of every format (jsonl, parquet, a datasets folder): per-benchmark rows and
     outputs, the mean over benchmarks, best and worst prompts, reference rows marked where settings differ, and
     the same in the training run's W&B run."""
     from tests.evaluate.test_suites import write_benchmarks
@@ -450,8 +450,9 @@ def test_a_suite_reports_each_benchmark_the_mean_prompts_and_references(trained,
     other = tmp_path / "other_drafter"  # an eval.compare drafter, side by side on every benchmark
     shutil.copytree(run / "checkpoints" / "step-000002", other, ignore=shutil.ignore_patterns("train_state"))
     metrics = evaluate(eval_job(tmp, "run.name=r1suite", "checkpoint=step4", "logger=wandb_offline",
-                                "eval.suite=gsm8k+humaneval+mt_bench", f"eval.benchmarks_dir={tmp_path}/bench",
-                                f"eval.references={refs}", f"eval.compare=[{other}]"))
+                                "eval.suite.name=gsm8k+humaneval+mt_bench",
+                                f"eval.suite.benchmarks_dir={tmp_path}/bench",
+                                f"eval.suite.references={refs}", f"eval.compare=[{other}]"))
     benches = ["gsm8k", "humaneval", "mt_bench"]
     out = copy / "eval" / "step-000004-suite-gsm8k+humaneval+mt_bench-from-bench"  # beside the in-run one
     summary = json.loads((out / "summary.json").read_text())
@@ -511,7 +512,7 @@ def compose_target_path() -> str:
 def test_a_suite_in_live_mode_reports_tokens_per_forward_per_benchmark(trained, tmp_path, capsys):
     tmp, run = trained
     metrics = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval=live", "eval.max_new_tokens=8",
-                                "eval.ddtree_budgets=[]", "eval.suite=coding", "eval.max_prompts=2"))
+                                "eval.ddtree_budgets=[]", "eval.suite.name=coding", "eval.max_prompts=2"))
     assert metrics["eval/coding/live_tokens"] == 16 and metrics["eval/mean/live_tau"] == metrics["eval/coding/live_tau"]
     assert metrics["eval/mean/live_tokens_per_forward"] == metrics["eval/coding/live_tokens_per_forward"]
     out = run / "eval" / "step-000004-live-suite-coding-8tokens-ddtree-none"  # the run's: no suite, 40 tokens, [2, 8]
@@ -522,15 +523,16 @@ def test_a_suite_in_live_mode_reports_tokens_per_forward_per_benchmark(trained, 
 
 
 def test_expected_acceptance_at_temperature_zero_is_the_greedy_tau(trained):
-    """Teacher-forced at eval.temperature > 0: alpha per slot and the expected walk tau; as T -> 0 (1e-6: the
+    """Teacher-forced at eval.decode.temperature > 0: alpha per slot and the expected walk tau; as T -> 0 (1e-6: the
     tiny target's sampled completions are its greedy ones, alpha is 0 or 1) it is the greedy walk's tau."""
     tmp, _ = trained
-    cold = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.temperature=1e-6", "eval.plots=false"))
+    cold = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.decode.temperature=1e-6",
+                             "eval.plots=false"))
     assert cold["eval/tau_expected"] == pytest.approx(cold["eval/tau"], abs=1e-6)
     assert cold["eval/tau_alpha_product"] == pytest.approx(cold["eval/tau"], abs=1e-6)
     assert cold["eval/alpha@1"] == pytest.approx(cold["eval/acc@1"], abs=1e-6)
-    warm = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.temperature=1.0", "eval.top_k=20",
-                             "eval.plots=false"))
+    warm = evaluate(eval_job(tmp, "run.name=r1", "checkpoint=step4", "eval.decode.temperature=1.0",
+                             "eval.decode.top_k=20", "eval.plots=false"))
     assert 1.0 <= warm["eval/tau_expected"] < 8 and 0 <= warm["eval/alpha@1"] <= 1 and warm["eval/tau_expected_se"] > 0
     # a sampled evaluation has a folder of its own and logs under eval/<tag>/: never on the greedy eval/tau curve
     run = tmp / "runs" / "r1"
@@ -547,7 +549,7 @@ def test_a_greedy_heldout_set_is_refused_at_temperature(trained, tiny_targets):
     heldout.prepare(job, target, [1, 3], Dist())
     greedy = heldout.load(job, target, [1, 3])
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]), target)
-    hot = replace(job.eval, temperature=0.7)
+    hot = replace(job.eval, decode=replace(job.eval.decode, temperature=0.7))
     with pytest.raises(CacheError, match="stores none"):
         teacher_forced(drafter, target.embed_tokens, target.lm_head, greedy, hot)
     paths = heldout.heldout_paths(replace(job, eval=hot), target, [1, 3]), heldout.heldout_paths(job, target, [1, 3])
@@ -555,13 +557,13 @@ def test_a_greedy_heldout_set_is_refused_at_temperature(trained, tiny_targets):
 
 
 def test_the_sampling_tag_names_a_truncated_selector_apart():
-    """eval.selector_truncation changes DFlash 2's draft distribution only where top-p or top-k truncate: the
+    """eval.decode.selector_truncation changes DFlash 2's draft distribution only where top-p or top-k truncate: the
     metrics' namespace says so then, and only then."""
-    from dflash.config.run import EvalConfig
+    from dflash.config import DecodeConfig
     from dflash.evaluate.settings import sampling_tag
 
-    assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9)) == "t1-p0.9"
-    assert sampling_tag(EvalConfig(temperature=1.0, top_p=0.9, selector_truncation=True)) == "t1-p0.9-sel"
-    assert sampling_tag(EvalConfig(temperature=1.0, selector_truncation=True)) == "t1"
-    assert sampling_tag(EvalConfig(selector_truncation=True)) == ""
-    assert sampling_tag(EvalConfig(temperature=0.6, selector_draw="vocabulary")) == "t0.6-vocabulary"
+    assert sampling_tag(DecodeConfig(temperature=1.0, top_p=0.9)) == "t1-p0.9"
+    assert sampling_tag(DecodeConfig(temperature=1.0, top_p=0.9, selector_truncation=True)) == "t1-p0.9-sel"
+    assert sampling_tag(DecodeConfig(temperature=1.0, selector_truncation=True)) == "t1"
+    assert sampling_tag(DecodeConfig(selector_truncation=True)) == ""
+    assert sampling_tag(DecodeConfig(temperature=0.6, selector_draw="vocabulary")) == "t0.6-vocabulary"

@@ -19,7 +19,7 @@ SHAPE = ["target=tiny_qwen3", "drafter.num_layers=2", "drafter.block_size=4", "l
 
 def test_live_summary_predicts_the_plans_speedup_at_each_concurrency(tiny_targets, tmp_path, capsys):
     job = compose("evaluate", [*SHAPE, "eval=live", "eval.max_prompts=2", "eval.max_new_tokens=24",
-                               "eval.ddtree_budgets=[]", "eval.serving_concurrency=[1,8,32]", "eval.serving_gpu=h100"])
+                               "eval.ddtree_budgets=[]", "eval.serving.concurrency=[1,8,32]", "eval.serving.gpu=h100"])
     target = tiny_targets["tiny_qwen3"]
     torch.manual_seed(0)
     drafter = build_drafter(job.drafter, job.layers, target).eval()
@@ -44,12 +44,12 @@ def test_live_summary_predicts_the_plans_speedup_at_each_concurrency(tiny_target
 
 def test_no_concurrency_no_prediction_and_an_unknown_gpu_is_refused(tiny_targets):
     job = compose("evaluate", [*SHAPE, "eval=live", "eval.max_prompts=1", "eval.max_new_tokens=8",
-                               "eval.ddtree_budgets=[]", "eval.serving_concurrency=[]"])
+                               "eval.ddtree_budgets=[]", "eval.serving.concurrency=[]"])
     target = tiny_targets["tiny_qwen3"]
     drafter = build_drafter(job.drafter, job.layers, target).eval()
     _, summary = live_eval(job, drafter, target)
     assert "serving" not in summary and not any("serving" in k for k in summary["metrics"])
-    with pytest.raises(ConfigError, match="eval.serving_gpu"):
-        compose("evaluate", ["eval.serving_gpu=tpu"])
-    with pytest.raises(ConfigError, match=r"eval.serving_concurrency\[\*\]"):
-        compose("evaluate", ["eval.serving_concurrency=[0]"])
+    with pytest.raises(ConfigError, match="eval.serving.gpu"):
+        compose("evaluate", ["eval.serving.gpu=tpu"])
+    with pytest.raises(ConfigError, match=r"eval.serving.concurrency\[\*\]"):
+        compose("evaluate", ["eval.serving.concurrency=[0]"])

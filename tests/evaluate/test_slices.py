@@ -129,7 +129,7 @@ def test_live_decoding_carries_tool_conversations_on_as_the_heldout_set_does(too
 
     monkeypatch.setattr(live, "greedy_generate", plain)
     monkeypatch.setattr(live, "speculative_generate", speculative)
-    job = tool_job(tmp_path, "eval=live", "eval.warmup_tokens=0", "eval.ddtree_budgets=[]")
+    job = tool_job(tmp_path, "eval=live", "eval.decode.warmup_tokens=0", "eval.ddtree_budgets=[]")
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
     records, summary = live.live_eval(job, drafter, tools_target)
     assert summary["metrics"]["eval/live_requests"] == 5

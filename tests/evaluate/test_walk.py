@@ -81,13 +81,13 @@ def walk_equals_live(job, target, budgets, selector_scale=None, max_new_tokens=N
         if selector_scale is not None:
             unary = OracleDrafter(target, ids.tolist(), wrong=wrong, layer_ids=(1, 3))
             variants += [("unary", None, "marginal", unary), *[(f"pair@{b}", b, "pairwise", oracle) for b in budgets]]
-            if cfg.selector_beam > 1:
+            if cfg.decode.selector_beam > 1:
                 variants.append(("beam", None, "marginal", oracle))
         for variant, budget, tree, drafter in variants:
             live = speculative_generate(drafter, target, ids[None, :start], cfg.max_new_tokens,
                                         tree_budget=budget, stop_token_ids=stops, tree=tree,
                                         stop_strings=stop_strings,
-                                        selector_beam=cfg.selector_beam if variant == "beam" else 1)
+                                        selector_beam=cfg.decode.selector_beam if variant == "beam" else 1)
             # the held-out answer is the target's greedy one (up to the budget)
             assert torch.equal(live.output_ids[0], ids[: start + cfg.max_new_tokens])
             steps = walk(by_anchor, start, variant)
@@ -198,7 +198,7 @@ def test_dflash2_walks_equal_live_decoding_per_block(name, tiny_targets, tmp_pat
     budgets = [4] if target.is_hybrid else [4, 8]
     job = compose("evaluate", ["debug=tiny", f"target={name}", "eval.max_new_tokens=40", "eval.max_prompts=2",
                                f"eval.ddtree_budgets={budgets}", f"features.dir={tmp_path}/cache",
-                               "eval.selector_beam=3"])
+                               "eval.decode.selector_beam=3"])
     assert walk_equals_live(job, target, budgets, selector_scale=0.3) == 2 * (3 + 2 * len(budgets))
 
 

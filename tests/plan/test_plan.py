@@ -431,7 +431,7 @@ def test_the_plan_takes_a_users_config_dir_and_config_name_as_train_py_does(tmp_
 def test_the_pure_models_import_nothing_of_the_pipeline():
     """memory, flops, costs, serving and targets take plain shapes and values (DESIGN §1): imported alone, they load
     no module of target/, data/, drafter/, evaluate/ or train/, nor the plan's adapter (configured, compose, report);
-    importing dflash.config (whose eval.serving_gpu is checked against serving's GPU table) loads no more."""
+    importing dflash.config (whose eval.serving.gpu is checked against serving's GPU table) loads no more."""
     pure = ["dflash.config", *(f"dflash.plan.{m}" for m in ("memory", "flops", "costs", "serving", "targets"))]
     assert modules_loaded(pure, ("dflash.target", "dflash.data", "dflash.drafter", "dflash.evaluate", "dflash.train",
                                  "dflash.plan.configured", "dflash.plan.compose", "dflash.plan.report")) == []

@@ -151,11 +151,11 @@ def test_a_tau_the_configured_block_cannot_keep_is_refused_in_one_line(tau, caps
 
 
 def test_eval_serving_gpu_is_checked_against_the_serving_models_gpus():
-    """dflash.config checks eval.serving_gpu without importing the plan (config sits below it): against its own
+    """dflash.config checks eval.serving.gpu without importing the plan (config sits below it): against its own
     SERVING_GPUS, the names GPUS is keyed by (the module refuses to import where the two differ)."""
     from dflash.config.run import SERVING_GPUS
     from tests.conftest import compose
 
     assert tuple(model.GPUS) == SERVING_GPUS
-    with pytest.raises(Exception, match="eval.serving_gpu='tpu' is not valid"):
-        compose("evaluate", ["debug=tiny", "eval.serving_gpu=tpu"])
+    with pytest.raises(Exception, match="eval.serving.gpu='tpu' is not valid"):
+        compose("evaluate", ["debug=tiny", "eval.serving.gpu=tpu"])

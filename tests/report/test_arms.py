@@ -41,7 +41,7 @@ def test_dflash2_arms_carry_their_unary_and_oracle_taus():
 
 
 def test_a_run_evaluated_again_at_a_temperature_keeps_its_greedy_curve(tmp_path):
-    """`python evaluate.py ... eval.temperature=1.0` writes eval/step-000008-t1/ at the run's step: the report's
+    """`python evaluate.py ... eval.decode.temperature=1.0` writes eval/step-000008-t1/ at the run's step: the report's
     final tau stays the in-run (greedy) evaluation of eval/step-000008/, not whichever folder sorts last."""
     import json
 

@@ -49,7 +49,7 @@ def test_a_dflash2_run_trains_both_parts_and_evaluates_its_selector(workdir):
     assert summary["eval/tau_oracle"] >= summary["eval/tau"]  # gold among the candidates bounds the selector
 
     job = tiny_job("evaluate", workdir, *overrides, "checkpoint=latest", "eval=live", "eval.ddtree_budgets=[4]",
-                   "eval.max_prompts=2", "eval.max_new_tokens=24", "eval.selector_beam=3", target="tiny_qwen3",
+                   "eval.max_prompts=2", "eval.max_new_tokens=24", "eval.decode.selector_beam=3", target="tiny_qwen3",
                    name="d2")
     live = evaluate(job)  # check_lossless raises on any divergence
     for key in ("eval/live_tau", "eval/live_ddtree@4_tau", "eval/live_ddtree_pair@4_tau", "eval/live_beam_tau",
@@ -119,9 +119,9 @@ def test_the_selector_weight_reaches_the_step_scheduled_and_normalised(workdir, 
 
     monkeypatch.setattr(stepping, "block_terms", spy)
     train(job_for(workdir, f"schedule-{gold}", *SMALL, "train.max_steps=4", "train.batch_size=1",
-                  "train.grad_accum=2", "train.save_every=4", "loss.selector_weight=2", f"loss.selector_gold={gold}",
+                  "train.grad_accum=2", "train.save_every=4", "loss.selector.weight=2", f"loss.selector.gold={gold}",
                   "drafter.selector_top_k=128",  # of 262 tokens: most, not all, gold tokens among the candidates
-                  "loss.selector_warmup_ratio=0.25", "loss.selector_ramp_ratio=0.5", target="tiny_qwen3"))
+                  "loss.selector.warmup_ratio=0.25", "loss.selector.ramp_ratio=0.5", target="tiny_qwen3"))
     assert len(seen) == 8
     for step, weight in enumerate([0.0, 0.0, 1.0, 2.0]):
         a, b = seen[2 * step: 2 * step + 2]
@@ -145,17 +145,17 @@ def test_the_selector_choices_reach_the_loss_and_the_run_records_them(workdir, m
         return real(*args, **kwargs)
 
     monkeypatch.setattr(stepping, "block_terms", spy)
-    keys = ("loss.selector_gradient=coupled", "loss.selector_gold=strict", "loss.selector_weights=follow",
-            "loss.selector_labels=target", "loss.selector_init=zero", "loss.selector_dropout=0.1",
-            "loss.selector_decay=0.5", "loss.selector_warmup_ratio=0.5")
+    keys = ("loss.selector.gradient=coupled", "loss.selector.gold=strict", "loss.selector.weights=follow",
+            "loss.selector.labels=target", "loss.selector.init=zero", "loss.selector.dropout=0.1",
+            "loss.selector.decay=0.5", "loss.selector.warmup_ratio=0.5")
     run = train(job_for(workdir, "choices", *SMALL, "loss=dpace", "train.mode=online", "train.max_steps=4",
                         "train.save_every=2", "train.batch_size=2", *keys, target="tiny_qwen3"))
     assert {options for options, _, _ in seen} == {SelectorOptions("coupled", "strict", 0.1, "follow", 0.6)}
     assert all(labels is not None and labels.shape == rows.shape for _, labels, rows in seen)
     recorded = (run / "config.yaml").read_text()
     for key in keys:
-        name, value = key.removeprefix("loss.").split("=")
-        assert f"  {name}: {value}\n" in recorded, key
+        name, value = key.removeprefix("loss.selector.").split("=")
+        assert f"\n    {name}: {value}\n" in "\n" + recorded.split("\n  selector:\n", 1)[1], key  # loss.selector
     successor = [load_file(c / "model.safetensors")["candidate_selector.successor_codebook"]
                  for _, c in RunLayout(run).list_checkpoints()]
     assert not successor[0].any() and successor[1].any()
@@ -163,31 +163,31 @@ def test_the_selector_choices_reach_the_loss_and_the_run_records_them(workdir, m
 
 
 def test_the_target_argmax_labels_offline_equal_online_and_need_a_topk_cache(workdir):
-    """loss.selector_labels=target reads the target's argmax from its logits online and from the first of the
+    """loss.selector.labels=target reads the target's argmax from its logits online and from the first of the
     cache's stored top-k offline: the same run (float32 features), not the data labels' run (sampled completions:
     the target's argmax is not always the token that follows); a cache without them is refused."""
     common = (*SMALL, "train.max_steps=3", "train.batch_size=2", "features.storage=float32",
               "data.completions.temperature=1.0", f"features.dir={workdir}/cache-top4/features")
-    target = ("loss.selector_labels=target",)
+    target = ("loss.selector.labels=target",)
     off = train(job_for(workdir, "argmax-off", *common, *target, "features.topk_logits=4", target="tiny_qwen3"))
     on = train(job_for(workdir, "argmax-on", *common, *target, "train.mode=online", target="tiny_qwen3"))
     data = train(job_for(workdir, "argmax-data", *common, "train.mode=online", target="tiny_qwen3"))
     a, b, c = ([r["train/selector_loss"] for r in metrics(run) if "train/loss" in r] for run in (off, on, data))
     assert len(a) == 3 and a == pytest.approx(b, abs=1e-4) and a[0] != pytest.approx(c[0], abs=1e-2)
-    with pytest.raises(ConfigError, match="loss.selector_labels=target needs the target's argmax.*train.mode=online"):
-        train(job_for(workdir, "argmax-none", *SMALL, "loss.selector_labels=target", "train.max_steps=1",
+    with pytest.raises(ConfigError, match="loss.selector.labels=target needs the target's argmax.*train.mode=online"):
+        train(job_for(workdir, "argmax-none", *SMALL, "loss.selector.labels=target", "train.max_steps=1",
                       target="tiny_qwen3"))
 
 
 def test_the_codebook_span_holds_through_training_and_fsdp_is_refused(workdir, monkeypatch):
-    """loss.selector_span=embedding: every checkpoint's codebooks lie in the span of the target's embeddings
+    """loss.selector.span=embedding: every checkpoint's codebooks lie in the span of the target's embeddings
     (predecessor) and head rows (successor), and training moved them; under FSDP (sharded codebooks) the key is
     refused before any data work."""
     from dflash.target.loading import load_target
     from dflash.train import loop
 
     job = job_for(workdir, "span", *SMALL, "train.max_steps=2", "train.save_every=1", "train.batch_size=2",
-                  "loss.selector_span=embedding", target="tiny_qwen3")
+                  "loss.selector.span=embedding", target="tiny_qwen3")
     run = train(job)
     checkpoints = [load_file(c / "model.safetensors") for _, c in RunLayout(run).list_checkpoints()]
     assert len(checkpoints) == 2
@@ -201,13 +201,13 @@ def test_the_codebook_span_holds_through_training_and_fsdp_is_refused(workdir, m
     assert not torch.equal(checkpoints[0]["candidate_selector.predecessor_codebook"],
                            checkpoints[1]["candidate_selector.predecessor_codebook"])
     monkeypatch.setattr(loop, "is_fsdp", lambda acc: True)
-    with pytest.raises(ConfigError, match="loss.selector_span=embedding projects whole codebooks.*selector_span=free"):
-        train(job_for(workdir, "span-fsdp", *SMALL, "train.max_steps=1", "loss.selector_span=embedding",
+    with pytest.raises(ConfigError, match="loss.selector.span=embedding projects whole codebooks.*selector.span=free"):
+        train(job_for(workdir, "span-fsdp", *SMALL, "train.max_steps=1", "loss.selector.span=embedding",
                       target="tiny_qwen3"))
 
 
 def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(workdir, monkeypatch):
-    """loss.selector_shrink=0.5: the checkpoint's servable predecessor codebook is the trained one (its float32 copy,
+    """loss.selector.shrink=0.5: the checkpoint's servable predecessor codebook is the trained one (its float32 copy,
     which a resume reads) times 0.5, every other weight as trained; the in-run evaluation scores that served
     codebook, and training goes on with the trained one (the resumed run's next checkpoint again serves half of its
     float32 copy)."""
@@ -221,7 +221,7 @@ def test_a_shrunk_selector_is_what_the_checkpoint_serves_and_the_run_evaluates(w
         return real(job, drafter, *args, **kwargs)
 
     monkeypatch.setattr(training, "evaluate_in_run", spy)
-    overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "loss.selector_shrink=0.5")
+    overrides = (*SMALL, "train.batch_size=2", "train.save_dtype=float32", "loss.selector.shrink=0.5")
     run = train(job_for(workdir, "shrink", *overrides, "train.max_steps=2", target="tiny_qwen3"))
     train(job_for(workdir, "shrink", *overrides, "train.max_steps=3", "train.resume=latest", target="tiny_qwen3"))
     key = "candidate_selector.predecessor_codebook"
@@ -259,7 +259,7 @@ def test_the_shrink_sweep_serves_a_trained_run_at_another_shrink(workdir):
 
 def test_fine_tuning_a_dflash2_checkpoint_starts_from_its_trained_selector(workdir, tiny_targets, monkeypatch):
     """drafter.init_from a DFlash 2 checkpoint trains on from its trained weights (train_state's float32 copy), not
-    from the served ones, whose predecessor codebook carries loss.selector_shrink (issue 65): after one step at
+    from the served ones, whose predecessor codebook carries loss.selector.shrink (issue 65): after one step at
     lr 1e-12 the fine-tune serves shrink x the trained codebook again (0.6, not 0.36), and its step-0 evaluation
     scores what the checkpoint serves. config.json records that shrink (dflash_config.selector_shrink): a copy
     without train_state/ starts from its served codebook divided by it, one without the key (a published drafter)

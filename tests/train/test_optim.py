@@ -106,7 +106,7 @@ class Selectorish(torch.nn.Module):
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_the_codebooks_take_their_own_weight_decay(name):
-    """loss.selector_decay: the two codebooks in a third AdamW group with that decay (and a step decays them by
+    """loss.selector.decay: the two codebooks in a third AdamW group with that decay (and a step decays them by
     lr x decay with no gradient); null keeps them in the decayed group, as any matrix, with two groups only."""
     model = Selectorish()
     sel = model.candidate_selector

@@ -62,7 +62,7 @@ def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class SelectorDraw:  # eval.selector_draw and eval.selector_truncation
+class SelectorDraw:  # eval.decode.selector_draw and eval.decode.selector_truncation
     """How a DFlash 2 drafter draws its chain at temperature > 0 (greedy drafting is the selector's walk whatever
     this says). Rejection sampling is lossless for any q the drafts are drawn from, so each is a choice of
     acceptance, not of correctness."""

@@ -171,7 +171,7 @@ def test_dflash2_draws_among_its_candidates_from_the_tempered_scores_alone_unles
 
 
 def test_dflash2_draws_over_the_vocabulary_or_its_unary_head_when_asked():
-    """eval.selector_draw: vocabulary draws slot 1 from softmax over every token of the unary logits with the K
+    """eval.decode.selector_draw: vocabulary draws slot 1 from softmax over every token of the unary logits with the K
     candidates' entries replaced by their scores (nonzero everywhere); unary from the unary head alone, as DFlash
     draws; a draft outside the previous slot's candidates is rescored, not read from the tables."""
     from dflash.drafter.decoding.engine import draft_chain
