@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import EvalConfig, JobConfig
+from dflash.config import DataConfig, EvalConfig, JobConfig
 from dflash.data import cache as fcache
 from dflash.data.extraction import extract_features
 from dflash.data.mixture import merge, rendering, source_store, views
@@ -46,23 +46,24 @@ def _prompts(cfg: EvalConfig):
     return load_prompts(cfg.prompts, limit=cfg.max_prompts)
 
 
-def heldout_key(job: JobConfig, target, prompts=None) -> dict:
-    """Everything the held-out sequences depend on (what keys its folder); `prompts` when already read."""
-    prompts = _prompts(job.eval) if prompts is None else prompts
-    batch = job.eval.completions_batch_size
-    mixed = [[name, rendering(source)] for name, source in views(job.data) if name]  # as JSON reads it back
-    return {**target_signature(target), "prompts": job.eval.prompts, "prompts_sha256": prompts_hash(prompts),
-            "max_prompts": job.eval.max_prompts, "max_new_tokens": job.eval.max_new_tokens,
-            "chat_template": job.data.chat_template, "enable_thinking": job.data.enable_thinking,
+def heldout_key(data: DataConfig, cfg: EvalConfig, target, prompts=None) -> dict:
+    """Everything the held-out sequences depend on (what keys its folder): the data group's rendering and the eval
+    group's held-out set; `prompts` when already read."""
+    prompts = _prompts(cfg) if prompts is None else prompts
+    batch = cfg.completions_batch_size
+    mixed = [[name, rendering(source)] for name, source in views(data) if name]  # as JSON reads it back
+    return {**target_signature(target), "prompts": cfg.prompts, "prompts_sha256": prompts_hash(prompts),
+            "max_prompts": cfg.max_prompts, "max_new_tokens": cfg.max_new_tokens,
+            "chat_template": data.chat_template, "enable_thinking": data.enable_thinking,
             **({"views": mixed} if mixed else {}),
             **({"completions_batch_size": batch} if batch > 1 else {}),
-            **({"stop": list(job.data.completions.stop)} if job.data.completions.stop else {}),
-            **({"chat_template_kwargs": dict(job.data.chat_template_kwargs)} if job.data.chat_template_kwargs else {}),
+            **({"stop": list(data.completions.stop)} if data.completions.stop else {}),
+            **({"chat_template_kwargs": dict(data.chat_template_kwargs)} if data.chat_template_kwargs else {}),
             # conversations: which turns are items (one-turn sets keep their keys)
-            **({"turns": job.eval.turns} if any(turn_count(p) > 1 for p in prompts) else {}),
+            **({"turns": cfg.turns} if any(turn_count(p) > 1 for p in prompts) else {}),
             # tool conversations: how the target's own calls carry them on
-            **({"tool_results_kept": job.data.tools.keep_results} if any(map(is_tool, prompts)) else {}),
-            **sampling_key(job.eval)}
+            **({"tool_results_kept": data.tools.keep_results} if any(map(is_tool, prompts)) else {}),
+            **sampling_key(cfg)}
 
 
 def sampling_key(cfg) -> dict:
@@ -77,7 +78,7 @@ def sampling_key(cfg) -> dict:
 def heldout_paths(job: JobConfig, target, layer_ids: list[int], key: dict | None = None) -> tuple[Path, Path]:
     """(features folder, completions file) of the held-out set; by default under cache/<target>/."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(job.eval.prompts.removeprefix("builtin:")).stem)
-    key = heldout_key(job, target) if key is None else key
+    key = heldout_key(job.data, job.eval, target) if key is None else key
     sig = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
     base = CacheLayout(Path(job.features.dir)).target_root / f"eval-{name}-n{job.eval.max_new_tokens}-{sig}"
     layers = "L" + "-".join(map(str, layer_ids))
@@ -97,7 +98,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
     the target's dtype (storage auto: exact, as the target computes them, and as live decoding and training's cache
     see them; a bfloat16 target's set is half the bytes of float32). Needs the full target."""
     prompts = _prompts(job.eval)
-    key = heldout_key(job, target, prompts)
+    key = heldout_key(job.data, job.eval, target, prompts)
     features_dir, store = heldout_paths(job, target, layer_ids, key)
     if fcache.is_complete(features_dir):
         return
@@ -130,7 +131,7 @@ def prepare(job: JobConfig, target, layer_ids: list[int], dist: Dist) -> None:
 def load(job: JobConfig, target, layer_ids: list[int]) -> fcache.FeatureCache:
     """The held-out features; refused if they were made for other settings (an explicit
     eval.features_dir is not keyed by them) or the target now runs other kernels than made them."""
-    now = heldout_key(job, target)
+    now = heldout_key(job.data, job.eval, target)
     cache = fcache.FeatureCache(heldout_paths(job, target, layer_ids, now)[0], dtype=torch.float32)
     made_for = cache.manifest.get("data", {}).get("heldout_key")
     if made_for is not None and made_for != now:

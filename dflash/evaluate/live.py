@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from dflash.config import JobConfig
+from dflash.config import DataConfig, EvalConfig
 from dflash.data.mixture import item_id, views
 from dflash.data.prompts import encode, load_prompts, prompt_text, turn_id, turn_messages
 from dflash.data.stops import StopStrings
@@ -134,10 +134,11 @@ def warm_up(drafter, target: Target, ids: torch.Tensor, tokens: int, verifiers: 
                              **knobs)
 
 
-def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict]:
-    """Per-step records and a summary of live decoding: the drafted chain and each DDTree budget, on every
-    target (hybrid ones verify a tree as a batch of its paths, dflash.drafter.decoding.verify)."""
-    cfg, dec, data = job.eval, job.eval.decode, job.data
+def live_eval(cfg: EvalConfig, data: DataConfig, drafter, target: Target) -> tuple[list[dict], dict]:
+    """Per-step records and a summary of live decoding (the eval group's held-out prompts, rendered as the data
+    group says): the drafted chain and each DDTree budget, on every target (hybrid ones verify a tree as a batch of
+    its paths, dflash.drafter.decoding.verify)."""
+    dec = cfg.decode
     prompts = load_prompts(cfg.prompts, limit=cfg.max_prompts)
     stops, strings = target.stop_token_ids(), StopStrings(target.tokenizer, data.completions.stop)
     sampling = Sampling(dec.temperature, dec.top_p, dec.top_k)
@@ -264,9 +265,9 @@ def live_eval(job: JobConfig, drafter, target: Target) -> tuple[list[dict], dict
             f"{prefix}verify_over_plain": verify_ms / max(metrics["eval/live_plain_ms_per_token"], 1e-9),
         })
     chain = [(r, r["tau"]) for r in records if r["tree_budget"] is None and r["tree"] == "marginal"]
-    metrics.update(slice_metrics(chain, slicers(job.data, job.eval), "eval/live"))
+    metrics.update(slice_metrics(chain, slicers(data, cfg), "eval/live"))
     answer = totals[None, "marginal"]["tokens"] / max(1, requests)  # the model's request: mean prompt, mean answer
-    served = serving_prediction(job.eval.serving, drafter, target, metrics["eval/live_tau"],
+    served = serving_prediction(cfg.serving, drafter, target, metrics["eval/live_tau"],
                                 prompt_tokens / max(1, requests) + answer / 2, answer) if requests else {}
     metrics.update(served.get("metrics", {}))
     summary = {"metrics": metrics, "tau_histogram": tau_histogram(totals[None, "marginal"]["taus"], drafter.block_size),

@@ -273,7 +273,7 @@ def score(job: JobConfig, label: str, path: Path, drafter, target, dist, allowed
     if job.eval.mode == "live":
         allowed[label] = check_trained_on(trained_on, live_features(target, drafter.target_layer_ids),
                                           job.provenance.allow_mismatch, label, "the live target's features", path)
-        return live_eval(job, drafter, target)
+        return live_eval(job.eval, job.data, drafter, target)
     heldout.prepare(job, target, drafter.target_layer_ids, dist)
     eval_set = heldout.load(job, target, drafter.target_layer_ids)
     allowed[label] = check_trained_on(trained_on, eval_set.manifest, job.provenance.allow_mismatch, label,

@@ -178,7 +178,7 @@ def train(job: JobConfig) -> Path:
                     if eval_now else None
                 if summary is not None:
                     evals[f"step {step}"] = summary
-                save(job, acc, m, run, state, manifest, total, summary, logger)
+                save(job.train, job.loss.selector.shrink, acc, m, run, state, manifest, total, summary, logger)
         bar.close()
     finally:
         logger.finish()
@@ -300,9 +300,10 @@ def evaluate(job: JobConfig, acc, m: Model, target, heldout_set, run: RunLayout,
     return summary
 
 
-def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manifest: dict, total: int,
-         summary: dict | None, logger: RunLogger) -> None:
-    """Checkpoint `state.step`. Every process takes part: gathering the weights (FSDP) and writing its share of
+def save(cfg: TrainConfig, selector_shrink: float, acc, m: Model, run: RunLayout, state: TrainState, manifest: dict,
+         total: int, summary: dict | None, logger: RunLogger) -> None:
+    """Checkpoint `state.step` (cfg: the train group; selector_shrink: loss.selector.shrink, what a DFlash 2
+    checkpoint serves). Every process takes part: gathering the weights (FSDP) and writing its share of
     accelerate's save_state (optimizer, scheduler, its RNG) into the temp folder; the main process writes the
     rest, renames atomically, and keeps best.json and keep_last."""
     step = state.step
@@ -313,18 +314,18 @@ def save(job: JobConfig, acc, m: Model, run: RunLayout, state: TrainState, manif
         if tau is not None and (state.best_tau is None or tau > state.best_tau):
             state.best_tau = tau
         loop_state = {"step": step, "total_steps": total, "best_tau": state.best_tau, "world_size": acc.num_processes,
-                      "distributed": "fsdp" if is_fsdp(acc) else "ddp", "seed": job.train.seed,
-                      "global_batch": job.train.batch_size * acc.num_processes * job.train.grad_accum}
+                      "distributed": "fsdp" if is_fsdp(acc) else "ddp", "seed": cfg.seed,
+                      "global_batch": cfg.batch_size * acc.num_processes * cfg.grad_accum}
     dist = Dist(acc.process_index, acc.num_processes, acc.wait_for_everyone)
     weights = {k: v.cpu() for k, v in weights.items()} if acc.is_main_process else {}
-    path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, job.train.save_dtype,
+    path = ckpt.save_checkpoint(run, step, m.drafter, weights, loop_state, manifest, cfg.save_dtype,
                                 save_state=lambda folder: acc.save_state(str(folder)), dist=dist,
-                                selector_shrink=job.loss.selector.shrink)
+                                selector_shrink=selector_shrink)
     if acc.is_main_process:
         best = tau is not None and tau == state.best_tau
         if best:
             ckpt.mark_best(run, step, tau)
-        ckpt.prune(run, job.train.keep_last)
+        ckpt.prune(run, cfg.keep_last)
         logger.log_checkpoint(path, step, ["latest", f"step-{step}"] + (["best"] if best else []))
         log.info("step %d: checkpoint %s%s", step, path, f", held-out tau {tau:.3f}" if tau is not None else "")
     acc.wait_for_everyone()

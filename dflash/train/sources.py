@@ -69,7 +69,7 @@ def training_source(job: JobConfig, target: Target, layer_ids: list[int], dist: 
         log.warning(rounding_warning(job.features.dir, made["storage"], made["dtype"]))
     cache.verify_all(dist)  # each shard hashed once, by one process; nothing at a second start
     if not extracted_now:  # a cache just extracted is of data.* by construction
-        check_data(job, cache.manifest, cache.stamp)
+        check_data(job.data, job.features, cache.manifest, cache.stamp)
     if cache.manifest["layer_ids"] != layer_ids:
         raise ConfigError(f"features.dir={job.features.dir} holds layers {cache.manifest['layer_ids']} but the "
                           f"drafter reads {layer_ids}; set features.dir to a new directory or change layers")
@@ -120,7 +120,7 @@ def prompts_key(data: DataConfig) -> dict | None:
             "files": [{"path": str(p.resolve()), **file_state(p)} for p in files]}
 
 
-def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> None:
+def check_data(data: DataConfig, features: FeaturesConfig, manifest: dict, stamp: Stamp | None = None) -> None:
     """Refuse a feature cache extracted from other data than data.* now asks for (other prompts, another
     data.limit or data.offset, max length, or any setting its sequences were made with: chat template, thinking,
     regeneration, ...: data_now): the run would train on it silently. The prompts are read again to compare
@@ -128,25 +128,25 @@ def check_data(job: JobConfig, manifest: dict, stamp: Stamp | None = None) -> No
     only if a prompts file or a setting that picks prompts has changed. Where they cannot be read here (a cache
     made elsewhere), the cache is taken as it is, with a warning."""
     made = manifest.get("data", {})
-    if job.data.sources or "sources" in made:
-        return check_mixture(job.data, job.features, manifest)
-    key = prompts_key(job.data) if stamp is not None else None
+    if data.sources or "sources" in made:
+        return check_mixture(data, features, manifest)
+    key = prompts_key(data) if stamp is not None else None
     read = stamp.data_result(key) if key is not None else None
     if read is None:
         try:
-            prompts = training_prompts(job.data)
+            prompts = training_prompts(data)
         except (OSError, DFlashError) as e:
             log.warning("could not read data.prompts=%s to check that %s was extracted from them (%s); training "
-                        "on the cache as it is", job.data.prompts, job.features.dir, e)
+                        "on the cache as it is", data.prompts, features.dir, e)
             return
         read = {"num_prompts": len(prompts), "prompts_sha256": prompts_hash(prompts)}
         if key is not None:
             stamp.data = {"key": key, "result": read}
             stamp.save()
-    now = {**data_now(job.data, read), "max_length": job.data.max_length}
+    now = {**data_now(data, read), "max_length": data.max_length}
     diff = data_differences({**made, "max_length": manifest.get("max_length")}, now)
     if diff:
-        raise CacheError(f"the feature cache {job.features.dir} was extracted from other data than data.* gives "
+        raise CacheError(f"the feature cache {features.dir} was extracted from other data than data.* gives "
                          f"({diff}). Delete that folder to extract it anew (the completions stored "
                          f"next to it are kept and reused), or set features.dir to another folder")
 

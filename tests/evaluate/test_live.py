@@ -19,7 +19,7 @@ def test_live_trees_on_hybrid_and_sliding_targets(tiny_targets, target_name):
     target = tiny_targets[target_name]
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(num=2), target).eval()
-    records, summary = live_eval(job, drafter, target)
+    records, summary = live_eval(job.eval, job.data, drafter, target)
     m = summary["metrics"]
     assert summary["tree_verification"] == ("paths" if target.is_hybrid else "sequence")
     assert m["eval/live_ties"] == 0 and m["eval/live_tokens"] == 2 * 24
@@ -92,7 +92,7 @@ def test_the_first_forwards_cold_start_is_not_timed(tiny_targets, monkeypatch):
         try:
             job = compose("evaluate", ["debug=tiny", "target=tiny_qwen3_5", "eval=live", "eval.ddtree_budgets=[4]",
                                        "eval.max_new_tokens=12", f"eval.decode.warmup_tokens={warmup}"])
-            results[warmup] = live_eval(job, drafter, target)[1]["metrics"]
+            results[warmup] = live_eval(job.eval, job.data, drafter, target)[1]["metrics"]
         finally:
             hook.remove()
     warm, cold_run = results[32], results[0]
@@ -127,7 +127,7 @@ def test_the_decoding_time_splits_into_drafter_verification_and_the_rest(tiny_ta
     try:
         job = compose("evaluate", ["debug=tiny", f"target={target_name}", "eval=live", "eval.ddtree_budgets=[4]",
                                    "eval.max_new_tokens=12", "eval.decode.warmup_tokens=0"])
-        records, summary = live_eval(job, drafter, target)
+        records, summary = live_eval(job.eval, job.data, drafter, target)
     finally:
         for hook in hooks:
             hook.remove()

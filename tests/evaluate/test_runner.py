@@ -343,7 +343,7 @@ def test_heldout_set_is_keyed_by_everything_that_changes_its_sequences(tmp_path,
         assert path(same) == base, same
     # a set made one prompt at a time (the default before 32) keeps the key it had before the key held the batch size
     alone = eval_job(tmp_path, f"eval.prompts={prompts}", "eval.completions_batch_size=1")
-    assert "completions_batch_size" not in heldout.heldout_key(alone, target)
+    assert "completions_batch_size" not in heldout.heldout_key(alone.data, alone.eval, target)
     prompts.write_text('{"id": "a", "prompt": "one, edited"}\n{"id": "b", "prompt": "two"}\n')
     assert path() != base  # the same file name with other prompts
 

@@ -23,7 +23,7 @@ def test_live_summary_predicts_the_plans_speedup_at_each_concurrency(tiny_target
     target = tiny_targets["tiny_qwen3"]
     torch.manual_seed(0)
     drafter = build_drafter(job.drafter, job.layers, target).eval()
-    _, summary = live_eval(job, drafter, target)
+    _, summary = live_eval(job.eval, job.data, drafter, target)
     m, served = summary["metrics"], summary["serving"]
     assert served["tau"] == pytest.approx(m["eval/live_tau"]) and served["gpu"] == "H100 SXM"
     assert served["output_tokens"] == pytest.approx(m["eval/live_tokens"] / m["eval/live_requests"])
@@ -47,7 +47,7 @@ def test_no_concurrency_no_prediction_and_an_unknown_gpu_is_refused(tiny_targets
                                "eval.ddtree_budgets=[]", "eval.serving.concurrency=[]"])
     target = tiny_targets["tiny_qwen3"]
     drafter = build_drafter(job.drafter, job.layers, target).eval()
-    _, summary = live_eval(job, drafter, target)
+    _, summary = live_eval(job.eval, job.data, drafter, target)
     assert "serving" not in summary and not any("serving" in k for k in summary["metrics"])
     with pytest.raises(ConfigError, match="eval.serving.gpu"):
         compose("evaluate", ["eval.serving.gpu=tpu"])

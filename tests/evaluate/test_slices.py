@@ -86,7 +86,7 @@ def test_the_heldout_sets_tool_turns_are_the_tools_slice_teacher_forced(tools_ta
     heldout.prepare(job, tools_target, [1, 3], Dist())
     eval_set = heldout.load(job, tools_target, [1, 3])
     assert sorted(eval_set.ids) == ["other", "same", "same:turn2", "same:turn3", "text"]
-    assert heldout.heldout_key(job, tools_target)["tool_results_kept"] is False
+    assert heldout.heldout_key(job.data, job.eval, tools_target)["tool_results_kept"] is False
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
     records = teacher_forced(drafter, tools_target.embed_tokens, tools_target.lm_head, eval_set, job.eval)
@@ -131,7 +131,7 @@ def test_live_decoding_carries_tool_conversations_on_as_the_heldout_set_does(too
     monkeypatch.setattr(live, "speculative_generate", speculative)
     job = tool_job(tmp_path, "eval=live", "eval.decode.warmup_tokens=0", "eval.ddtree_budgets=[]")
     drafter = build_drafter(DrafterConfig(num_layers=1, block_size=4), LayersConfig(ids=[1, 3]), tools_target)
-    records, summary = live.live_eval(job, drafter, tools_target)
+    records, summary = live.live_eval(job.eval, job.data, drafter, tools_target)
     assert summary["metrics"]["eval/live_requests"] == 5
     assert sorted({r["prompt_id"] for r in records}) == ["other", "same", "same:turn2", "same:turn3", "text"]
     assert {r["prompt_id"] for r in records if r.get("tools")} == {"same", "same:turn2", "other"}

@@ -145,7 +145,8 @@ def test_a_stop_string_over_several_tokens_stops_the_walk_and_live_decoding_at_o
     stop = text[k][-1] + text[k + 1][0]
     plain_job, job = job, dataclasses.replace(job, data=dataclasses.replace(
         job.data, completions=dataclasses.replace(job.data.completions, stop=[stop])))
-    assert heldout.heldout_key(job, target) != heldout.heldout_key(plain_job, target)  # a set of its own
+    stopped, unstopped = (heldout.heldout_key(j.data, j.eval, target) for j in (job, plain_job))
+    assert stopped != unstopped  # a set of its own
     assert walk_equals_live(job, target, [4], stop_strings=[stop]) == 2
     assert heldout.load(job, target, [1, 3])[0][0].shape[0] == ids.shape[1] + k + 2  # ends at token k + 1
 
@@ -176,8 +177,7 @@ def test_a_conversation_is_evaluated_turn_by_turn_teacher_forced_as_live(tiny_ta
 
     monkeypatch.setattr(live, "speculative_generate", spy)
     oracle = OracleDrafter(target, eval_set[1][0].tolist(), layer_ids=(1, 3))
-    records, summary = live.live_eval(dataclasses.replace(job, eval=dataclasses.replace(job.eval, ddtree_budgets=[])),
-                                      oracle, target)
+    records, summary = live.live_eval(dataclasses.replace(job.eval, ddtree_budgets=[]), job.data, oracle, target)
     assert summary["metrics"]["eval/live_requests"] == 4 and summary["metrics"]["eval/live_ties"] == 0
     assert sorted({r["prompt_id"] for r in records}) == sorted(eval_set.ids)
     items = set()
@@ -186,7 +186,7 @@ def test_a_conversation_is_evaluated_turn_by_turn_teacher_forced_as_live(tiny_ta
         items.add(tuple(ids[: int(mask.nonzero()[0])].tolist()))
     assert seen == items
     first = dataclasses.replace(job, eval=dataclasses.replace(job.eval, turns="first"))
-    assert heldout.heldout_key(first, target) != heldout.heldout_key(job, target)
+    assert heldout.heldout_key(first.data, first.eval, target) != heldout.heldout_key(job.data, job.eval, target)
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_qwen3_5"])

@@ -73,8 +73,8 @@ def assert_resume_reproduces(workdir, monkeypatch, name: str, common: tuple, ste
     full = train(job_for(workdir, f"{name}-full", *common))
     original = training.save
 
-    def save_then_die(job, acc, m, run, state, *args):
-        original(job, acc, m, run, state, *args)
+    def save_then_die(cfg, shrink, acc, m, run, state, *args):
+        original(cfg, shrink, acc, m, run, state, *args)
         if state.step == cut:
             raise KeyboardInterrupt("simulated preemption")
 

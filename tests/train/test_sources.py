@@ -51,12 +51,12 @@ def test_the_prompts_are_read_once_and_a_changed_file_is_still_refused(tmp_path,
     manifest = manifest_of(job)
     root = tmp_path / "features"
     root.mkdir()
-    sources.check_data(job, manifest, Stamp(root, 0))
+    sources.check_data(job.data, job.features, manifest, Stamp(root, 0))
     assert reads["n"] == 1
     for rank in (0, 1):  # a later start, on any process: nothing read
-        sources.check_data(job, manifest, Stamp(root, rank))
+        sources.check_data(job.data, job.features, manifest, Stamp(root, rank))
     assert reads["n"] == 1
-    sources.check_data(job, manifest)  # without a stamp: read, as before
+    sources.check_data(job.data, job.features, manifest)  # without a stamp: read, as before
     assert reads["n"] == 2
     # one prompt changed, size kept, even the mtime set back: read again, and refused
     before = prompts.stat()
@@ -64,18 +64,19 @@ def test_the_prompts_are_read_once_and_a_changed_file_is_still_refused(tmp_path,
     prompts.write_text(prompts.read_text().replace("question 1", "question 7"))
     os.utime(prompts, ns=(before.st_atime_ns, before.st_mtime_ns))
     with pytest.raises(CacheError, match="prompts_sha256.*Delete that folder"):
-        sources.check_data(job, manifest, Stamp(root, 1))
+        sources.check_data(job.data, job.features, manifest, Stamp(root, 1))
     assert reads["n"] == 3
     with pytest.raises(CacheError, match="prompts_sha256"):  # and again at the next start, from the stamp
-        sources.check_data(job, manifest, Stamp(root, 0))
+        sources.check_data(job.data, job.features, manifest, Stamp(root, 0))
     assert reads["n"] == 3
     write_prompts(prompts, 4)  # a prompt added
     with pytest.raises(CacheError, match="num_prompts: 3 there, 4 now"):
-        sources.check_data(job, manifest, Stamp(root, 0))
+        sources.check_data(job.data, job.features, manifest, Stamp(root, 0))
     write_prompts(prompts, 3)  # back to what the cache was made of, and a setting that picks prompts changed
-    sources.check_data(job, manifest, Stamp(root, 0))
+    sources.check_data(job.data, job.features, manifest, Stamp(root, 0))
     with pytest.raises(CacheError, match="num_prompts: 3 there, 2 now"):
-        sources.check_data(job_for(tmp_path, prompts, "data.limit=2"), manifest, Stamp(root, 0))
+        fewer = job_for(tmp_path, prompts, "data.limit=2")
+        sources.check_data(fewer.data, fewer.features, manifest, Stamp(root, 0))
     assert reads["n"] == 6
 
 
@@ -87,12 +88,12 @@ def test_a_file_added_to_a_prompts_folder_is_seen(tmp_path, reads):
     manifest = manifest_of(job)
     (tmp_path / "features").mkdir()
     stamp = lambda: Stamp(tmp_path / "features")
-    sources.check_data(job, manifest, stamp())
-    sources.check_data(job, manifest, stamp())
+    sources.check_data(job.data, job.features, manifest, stamp())
+    sources.check_data(job.data, job.features, manifest, stamp())
     assert reads["n"] == 1
     (folder / "b.jsonl").write_text(json.dumps({"id": "q", "prompt": "more"}) + "\n")
     with pytest.raises(CacheError, match="num_prompts: 2 there, 3 now"):
-        sources.check_data(job, manifest, stamp())
+        sources.check_data(job.data, job.features, manifest, stamp())
 
 
 def test_unreadable_prompts_still_warn(tmp_path, caplog):
@@ -103,7 +104,7 @@ def test_unreadable_prompts_still_warn(tmp_path, caplog):
     prompts.unlink()
     (tmp_path / "features").mkdir()
     with caplog.at_level("WARNING"):
-        sources.check_data(job, manifest, Stamp(tmp_path / "features"))
+        sources.check_data(job.data, job.features, manifest, Stamp(tmp_path / "features"))
     assert "could not read data.prompts" in caplog.text
 
 
@@ -116,13 +117,14 @@ def test_a_cache_made_keeping_truncated_answers_is_refused_for_dropping_them(tmp
     job = job_for(tmp_path, prompts)
     kept = manifest_of(job)
     kept["data"]["truncated"] = 1
-    sources.check_data(job, kept)
+    sources.check_data(job.data, job.features, kept)
+    dropping = job_for(tmp_path, prompts, "data.completions.truncated=drop")
     with pytest.raises(CacheError, match="truncated_kept: True there, False now"):
-        sources.check_data(job_for(tmp_path, prompts, "data.completions.truncated=drop"), kept)
+        sources.check_data(dropping.data, dropping.features, kept)
     dropped = {**kept, "data": {**kept["data"], "truncated_kept": False}}
     with pytest.raises(CacheError, match="truncated_kept: False there, True now"):
-        sources.check_data(job, dropped)
-    sources.check_data(job_for(tmp_path, prompts, "data.completions.truncated=drop"), manifest_of(job))  # older
+        sources.check_data(job.data, job.features, dropped)
+    sources.check_data(dropping.data, dropping.features, manifest_of(job))  # older
 
 
 def test_a_cache_of_tool_conversations_is_refused_for_another_data_tools_keep_results(tmp_path):
@@ -131,11 +133,11 @@ def test_a_cache_of_tool_conversations_is_refused_for_another_data_tools_keep_re
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 2)
     job = job_for(tmp_path, prompts, "data.tools.keep_results=true")
-    sources.check_data(job, manifest_of(job))
+    sources.check_data(job.data, job.features, manifest_of(job))
     manifest = manifest_of(job)
     manifest["data"]["tool_results_kept"] = False
     with pytest.raises(CacheError, match="tool_results_kept: False there, True now"):
-        sources.check_data(job, manifest)
+        sources.check_data(job.data, job.features, manifest)
 
 
 def test_a_mixture_cache_is_refused_for_another_data_tools_keep_results(tmp_path):
@@ -156,12 +158,12 @@ def test_a_mixture_cache_is_refused_for_another_data_tools_keep_results(tmp_path
                        "enable_thinking": data.enable_thinking, "chat_template_kwargs": dict(data.chat_template_kwargs),
                        "completions_sampling": sampling(source)})
     manifest = {"max_length": job.data.max_length, "data": {"sources": listed}}
-    sources.check_data(job, manifest)  # nothing recorded about tool results: not refused
+    sources.check_data(job.data, job.features, manifest)  # nothing recorded about tool results: not refused
     listed[1]["tool_results_kept"] = True
-    sources.check_data(job, manifest)
+    sources.check_data(job.data, job.features, manifest)
     listed[1]["tool_results_kept"] = False
     with pytest.raises(CacheError, match="source b: tool_results_kept: False there, True now"):
-        sources.check_data(job, manifest)
+        sources.check_data(job.data, job.features, manifest)
 
 
 def made_now(data) -> dict:
@@ -188,26 +190,26 @@ def test_every_setting_a_set_can_record_is_compared_plain_and_in_a_mixture(tmp_p
     assert set(written) == set(made_now(job.data))
     plain = manifest_of(job)
     plain["data"] |= {"truncated": 0, **made_now(job.data)}
-    sources.check_data(job, plain)
+    sources.check_data(job.data, job.features, plain)
     two = f"data.sources=[{{prompts: {prompts}, name: a}}, {{prompts: {prompts}, name: b}}]"
     mixed = job_for(tmp_path, prompts, two)
     listed = [{"name": s.name, "prompts": s.data.prompts, "num_prompts": 2,
                "prompts_sha256": plain["data"]["prompts_sha256"], "completions_sampling": sampling(s), "truncated": 0,
                **made_now(s.data)} for s in sources_of(mixed.data)]
     mixture = {"max_length": job.data.max_length, "data": {"sources": listed}}
-    sources.check_data(mixed, mixture)
+    sources.check_data(mixed.data, mixed.features, mixture)
     for key in written:
         other = {**plain, "data": {**plain["data"], key: ["another", plain["data"][key]]}}
         with pytest.raises(CacheError, match=rf"other data than data.\* gives \({key}: \['another'"):
-            sources.check_data(job, other)
+            sources.check_data(job.data, job.features, other)
         other = {**mixture, "data": {"sources": [listed[0], {**listed[1], key: ["another", listed[1][key]]}]}}
         refused = rf"another mixture than data.sources gives \(source b: {key}: \['another'"
         with pytest.raises(CacheError, match=refused):
-            sources.check_data(mixed, other)
+            sources.check_data(mixed.data, mixed.features, other)
     older = {k: v for k, v in plain["data"].items() if k not in written and k != "truncated"}
-    sources.check_data(job, {**plain, "data": older})
+    sources.check_data(job.data, job.features, {**plain, "data": older})
     older = [{k: v for k, v in s.items() if k not in written and k != "truncated"} for s in listed]
-    sources.check_data(mixed, {**mixture, "data": {"sources": older}})
+    sources.check_data(mixed.data, mixed.features, {**mixture, "data": {"sources": older}})
 
 
 def test_a_mixture_cache_made_regenerating_the_last_turn_is_refused_for_all_turns(tmp_path, tiny_targets):
@@ -227,10 +229,10 @@ def test_a_mixture_cache_made_regenerating_the_last_turn_is_refused_for_all_turn
     prepared = prepare_training(made, tiny_targets["tiny_qwen3"], Dist())
     assert [s["regenerate"] for s in prepared.info["sources"]] == ["last_turn", "all_turns"]
     manifest = {"max_length": made.data.max_length, "data": prepared.info}
-    sources.check_data(made, manifest)
+    sources.check_data(made.data, made.features, manifest)
     asked = job_for(tmp_path, prompts, mixture.format(p=prompts, r="all_turns"), "data.completions.max_new_tokens=4")
     with pytest.raises(CacheError, match=r"source a: regenerate: 'last_turn' there, 'all_turns' now"):
-        sources.check_data(asked, manifest)
+        sources.check_data(asked.data, asked.features, manifest)
 
 
 def test_a_bfloat16_cache_of_a_float32_target_made_before_auto_still_trains(tmp_path, tiny_targets, caplog):
