@@ -64,8 +64,9 @@ bench: venv
 # The real engines, each in a venv of its own beside the main one (never in it: triton there makes transformers
 # bind fla's GPU kernels): vLLM's CPU build serving our exports (on a tiny target and on SmolLM2, whose GGUF file
 # and ShareGPT come with the main venv's `real` extra), and fla's kernels under Triton's interpreter.
-# Versions: bench/engines/pins.py, whose vLLM pins are the library's (VLLM_PINS: features.source=vllm checks them);
-# what is checked: bench/engines/{vllm,fla}_check.py. A venv is rebuilt when its pins change. Results: bench/results/<date>-engines.json.
+# Versions: bench/engines/pins.py, whose vLLM pins are the library's (VLLM_PINS: features.source=vllm checks them;
+# the fla venv's torch pin is theirs too); what is checked: bench/engines/{vllm,fla}_check.py. A venv is rebuilt
+# when its pins change. Results: bench/results/<date>-engines.json.
 ENGINES ?= .venv-engines
 PINS := bench/engines/pins.py
 VLLM_PINS := dflash/data/vllm_runtime/vllm_pins.py
@@ -78,7 +79,7 @@ $(ENGINES)/vllm/.installed: $(PINS) $(VLLM_PINS)
 	$(ENGINES)/vllm/bin/python -m pip uninstall -q -y $$($(PYTHON) $(PINS) vllm-unwanted)
 	touch $@
 
-$(ENGINES)/fla/.installed: $(PINS) pyproject.toml
+$(ENGINES)/fla/.installed: $(PINS) $(VLLM_PINS) pyproject.toml
 	rm -rf $(ENGINES)/fla && $(PYTHON) -m venv $(ENGINES)/fla
 	$(ENGINES)/fla/bin/python -m pip install -q --upgrade pip
 	$(ENGINES)/fla/bin/python -m pip install -q --no-compile $(TORCH)

@@ -264,3 +264,23 @@ def test_features_are_stored_in_the_targets_dtype_unless_asked_otherwise():
                                              ("float32", "bfloat16"), ("float16", "float16")])
     assert all(rounds(s, d) for s, d in [("bfloat16", "float32"), ("float8_e4m3fn", "float32"),
                                          ("float8_e4m3fn", "bfloat16"), ("float16", "bfloat16")])
+
+
+def test_moved_keys_migrate_new_names_first_and_the_suite_group_is_not_refused():
+    """dflash.config.renamed: an old config (eval.suite null, a flat selector key) reads under today's names; where a
+    file holds both names the new one's value wins, in a config.yaml and in summary.json's settings alike; the
+    group eval.suite given whole ({name: ..., protocol: ...}) is today's syntax, not the old key."""
+    from dflash.config import migrate_settings, migrate_tree, refuse_renamed
+
+    old = {"eval": {"suite": None, "temperature": 0.5, "decode": {"temperature": 0.7}}, "loss": {"selector_shrink": 1}}
+    assert migrate_tree(old) == {"eval": {"suite": {"name": None}, "decode": {"temperature": 0.7}},
+                                 "loss": {"selector": {"shrink": 1}}}
+    assert old["eval"]["temperature"] == 0.5  # the tree given is left as it was
+    assert migrate_settings({"eval.decode.seed": 2, "eval.seed": 1, "eval.mode": "live"}) == {
+        "eval.decode.seed": 2, "eval.mode": "live"}
+    assert migrate_settings({"eval.seed": 1}) == {"eval.decode.seed": 1} and migrate_settings(None) is None
+    refuse_renamed(["eval.suite={name:paper,protocol:zlab_bb48ef9}", "eval.suite.name=zlab", "eval.mode=live"])
+    with pytest.raises(ConfigError, match=r"eval.top_k is now eval.decode.top_k: write ~eval.decode.top_k$"):
+        refuse_renamed(["~eval.top_k"])
+    with pytest.raises(ConfigError, match=r"write loss.selector.shrink=0.4,0.6$"):
+        refuse_renamed(["loss.selector_shrink=0.4,0.6"])

@@ -30,7 +30,7 @@ def refuse_renamed(overrides: list[str]) -> None:
     for override in overrides:
         bare = override.lstrip("+~")
         key, eq, value = bare.partition("=")
-        if key in RENAMED:
+        if key in RENAMED and not value.lstrip().startswith("{"):  # eval.suite={name: paper, ...}: the group, today's
             sign = override[:len(override) - len(bare)]
             raise ConfigError(f"{key} is now {RENAMED[key]}: write {sign}{RENAMED[key]}{eq}{value}")
 
@@ -52,7 +52,12 @@ def migrate_tree(tree: dict) -> dict:
 
 
 def migrate_settings(settings: dict | None) -> dict | None:
-    """Flat {config key: value} settings (summary.json's) with moved keys under their new names."""
+    """Flat {config key: value} settings (summary.json's) with moved keys under their new names (where both are
+    there, the new one's value)."""
     if settings is None:
         return None
-    return {RENAMED.get(k, k): v for k, v in settings.items()}
+    out = {k: v for k, v in settings.items() if k not in RENAMED}
+    for old, value in settings.items():
+        if old in RENAMED:
+            out.setdefault(RENAMED[old], value)  # a key already under its new name wins, as in migrate_tree
+    return out
