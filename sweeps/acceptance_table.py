@@ -13,8 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dflash.layout import RunLayout
-from dflash.report.compare import load_run, named_arms
+from dflash.report.compare import seeds_by_arm
 
 
 def final(run: Path) -> tuple[float | None, float | None]:
@@ -32,12 +31,13 @@ def main(args: list[str]) -> None:
     arms: dict[str, list[tuple[int, float | None, float | None]]] = {}
     for spec in args:
         root, _, rename = spec.partition("=")
-        runs = [load_run(run) for run in sorted(Path(root).iterdir())
-                if RunLayout(run).metrics.exists() and (run / "eval").exists()]
-        for name, members in named_arms(runs).items():  # dflash.report's arms: configs that differ in seed only
+        # dflash.report's arms (configs that differ in seed only), of the runs with evaluations
+        found = seeds_by_arm(sorted(Path(root).iterdir()),
+                             lambda run: final(run["path"]) if (run["path"] / "eval").exists() else None)
+        for name, seeds in found.items():
             if rename and name != "dflash":
                 continue
-            arms[rename or name] = [(r["config"].get("train.seed"), *final(r["path"])) for r in members]
+            arms[rename or name] = [(seed, *taus) for seed, taus in seeds.items()]
     print("| arm | seeds | walk tau, greedy | sd | expected walk tau, T = 1 | sd |")
     print("|---|---|---|---|---|---|")
     for arm, rows in arms.items():

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dflash.layout import RunLayout
-from dflash.report.compare import load_run, named_arms
+from dflash.report.compare import seeds_by_arm
 
 COLUMNS = ("walk tau", "every-anchor tau", "tau_unary", "tau_oracle", "oracle gap", "acc@1", "train/tau",
            "train/topk_recall", "s/step")
@@ -50,11 +50,9 @@ def final_eval(run: Path) -> Path | None:
 
 
 def main(root: str, reference: str = "dflash") -> None:
-    done = {path: final for path in sorted(Path(root).iterdir())
-            if RunLayout(path).metrics.exists() and (final := final_eval(path))}
-    runs = [load_run(path) for path in done]
-    arms = {name: {r["config"].get("train.seed"): run_row(r, done[r["path"]]) for r in members}
-            for name, members in named_arms(runs).items()}  # dflash.report's arms: configs that differ in seed only
+    # dflash.report's arms (configs that differ in seed only), of the runs with a last evaluation
+    arms = seeds_by_arm(sorted(Path(root).iterdir()),
+                        lambda run: run_row(run, final) if (final := final_eval(run["path"])) else None)
     print("| arm | seeds | " + " | ".join(COLUMNS) + f" | prompts won / lost by > 0.5 vs {reference} | worst |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
     for arm, seeds in arms.items():

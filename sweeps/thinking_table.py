@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dflash.layout import RunLayout
-from dflash.report.compare import load_run, named_arms
+from dflash.report.compare import seeds_by_arm
 
 SLICES = ("on", "off")
 
@@ -55,11 +55,9 @@ def cell(values: list[float]) -> str:
 
 
 def main(root: str) -> None:
-    done = {path: metrics for path in sorted(Path(root).iterdir())
-            if RunLayout(path).metrics.exists() and (metrics := summary_of(path))}
-    runs = [load_run(path) for path in done]
-    arms = {name: {r["config"].get("train.seed"): row(done[r["path"]]) for r in members}
-            for name, members in named_arms(runs).items()}  # dflash.report's arms: configs that differ in seed only
+    # dflash.report's arms (configs that differ in seed only), of the finished runs
+    arms = seeds_by_arm(sorted(Path(root).iterdir()),
+                        lambda run: row(metrics) if (metrics := summary_of(run["path"])) else None)
     columns = ("tau on", "tau off", "tau_macro on", "tau_macro off", "tau all")
     print("| arm | seeds | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))

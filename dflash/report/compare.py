@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash.config import ReportConfig
@@ -116,6 +117,23 @@ def named_arms(runs: list[dict]) -> dict[str, list[dict]]:
         stems = {r["name"].removesuffix(f"-s{r['config'].get('train.seed')}") for r in members}
         named[stems.pop() if len(stems) == 1 else label] = members
     return named
+
+
+def seeds_by_arm(folders: list[Path], read: Callable[[dict], object]) -> dict[str, dict[int, object]]:
+    """{arm (`named_arms`): {train.seed: read(run)}} over the run folders among `folders` (those with metrics.jsonl,
+    each loaded by `load_run`) where read(run) is not None: a run without what a table reads (unfinished) is left
+    out before the arms are formed, so it does not change which keys differ. The sweeps' tables read with it."""
+    kept, values = [], {}
+    for path in folders:
+        if not _has_metrics(path):
+            continue
+        run = load_run(path)
+        value = read(run)
+        if value is not None:
+            kept.append(run)
+            values[path] = value
+    return {name: {r["config"].get("train.seed"): values[r["path"]] for r in members}
+            for name, members in named_arms(kept).items()}
 
 
 def arm_rows(runs: list[dict], keys: list[str]) -> tuple[list[str], list[dict]]:
