@@ -172,9 +172,9 @@ def run_entry(script, *args, cwd=REPO):
     (lambda: LossConfig(objective="expected_tau", normalize="weights"), "loss.normalize=weights"),
     (lambda: LossConfig(objective="expected_tau", kl_weights="dpace"), "loss.kl_weights=dpace"),
     (lambda: SelectorLossConfig(gradient="both"), "loss.selector.gradient='both' is not valid; expected one of "
-                                                   "['coupled', 'detach_unary', 'stop']"),
+                                                  "['coupled', 'detach_unary', 'stop']"),
     (lambda: SelectorLossConfig(gold="skip"), "loss.selector.gold='skip' is not valid; expected one of "
-                                               "['inject', 'strict']"),
+                                              "['inject', 'strict']"),
     (lambda: SelectorLossConfig(init="xavier"), "loss.selector.init='xavier'"),
     (lambda: SelectorLossConfig(weights="dpace"), "loss.selector.weights='dpace'"),
     (lambda: SelectorLossConfig(labels="teacher"), "loss.selector.labels='teacher'"),
@@ -183,7 +183,7 @@ def run_entry(script, *args, cwd=REPO):
     (lambda: SelectorLossConfig(dropout=1.0), "loss.selector.dropout=1.0 must be in [0, 1)"),
     (lambda: SelectorLossConfig(warmup_ratio=1.5), "loss.selector.warmup_ratio=1.5 must be in [0, 1]"),
     (lambda: SelectorLossConfig(warmup_ratio=0.6, ramp_ratio=0.5), "loss.selector.warmup_ratio + "
-                                                                              "loss.selector.ramp_ratio = 1.1"),
+                                                                   "loss.selector.ramp_ratio = 1.1"),
 ])
 def test_cross_field_checks(make, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):

@@ -6,8 +6,8 @@ def test_the_engine_imports_nothing_of_evaluate_or_train():
     """dflash.decode (the documented API) and every module of dflash.drafter.decoding load no module of evaluate/,
     train/, report/ or the plan: a script that decodes live needs none of them."""
     room = [f"dflash.drafter.decoding.{m}" for m in ("engine", "verify", "rules", "states", "ddtree", "sampling")]
-    assert modules_loaded(["dflash.decode", *room], ("dflash.evaluate", "dflash.train", "dflash.report",
-                                                      "dflash.plan.")) == []
+    above = ("dflash.evaluate", "dflash.train", "dflash.report", "dflash.plan.")
+    assert modules_loaded(["dflash.decode", *room], above) == []
 
 
 def test_the_documented_entry_is_the_engine():
